@@ -1,0 +1,342 @@
+"""Algorithm 1 of the AFORE paper (section 5.2): the Python reference.
+
+This module is the executable specification of the per-target scheduler. The production path
+(``afore.scheduler.core``, C++ in ``csrc/scheduler/``) returns the same plan on every input;
+``tests/scheduler/test_core_differential.py`` holds the two together.
+
+One call plans one target t of one MoE layer:
+
+  demand d[e]            int64[E]   token-expert pairs of the target routed to expert e
+  table C[t]             SlotTable  projected redundant-slot bindings (copies in flight count)
+  protected U[t]         bool[F, R] slots the running target reads: never rebound
+  prev_assignment A[t-1] int32[E, F] the previous plan's assignment of this layer, or None
+
+Work is counted in tiles of M_tile pairs: k_e = ceil(d_e / M_tile), N[e, w] tiles of e on w,
+tile load T_w = sum_e N[e, w]. Placement P = fixed primaries + every redundant binding of C[t].
+
+Phases (paper Algorithm 1):
+
+1. InitializeAssignment: k_e is split over the workers where e has a replica in P in proportion
+   to A[t-1][e, w], by largest remainder in exact integer arithmetic (quota k_e * a_w / S:
+   floors first, then one extra tile each to the largest remainders, ties to the lower worker
+   index). With no previous assignment, or a previous row with no pairs on a current replica,
+   or 0 < k_e <= theta, all tiles go to the primary.
+2. Rebalancing within P: workers h in decreasing tile load (ties: lower index first), receivers c
+   in increasing tile load (ties: lower index first). The first pair (h, c) with T_h - T_c > 1
+   that admits a move of q_e = min(N[e, h], floor((T_h - T_c) / 2)) > theta tiles of an expert e
+   with N[e, h] > 0 and a replica on c moves the expert with the largest q_e (ties: lower
+   expert index). Repeat until no pair admits a move.
+3. Rebalancing beyond P: F0 = beta_tile * max_w T_w. While fewer than B copies are planned, the
+   same scan looks for e with no replica on c and a safe redundant slot on c: the empty slot of
+   lowest index, else the least recently used slot (smallest ``last_used``, ties: lower index)
+   whose expert has no tiles on c; never a protected slot, never one rebound earlier in this
+   search; a receiver with no safe slot is skipped. The slot is rebound to e (its old expert
+   leaves P on c), the copy (e, primary(e), c, P_c + r) is appended to Delta, q tiles move, and
+   the candidate's net gain g = F0 - beta_tile * max_w T_w - O_t(Delta) is evaluated, with
+   O_t = max(0, M(Delta) - W_t) and M(Delta) = (max copies into one worker) * copy_ms. The search
+   goes on through non-positive gains; the candidate with the largest gain > 0 is kept, else the
+   within-placement result (no copies).
+4. Token fill: a[e, w] = N[e, w] * M_tile on every worker but one, which takes the remainder:
+   the primary if it holds tiles of e, else the highest-index worker holding tiles of e. So each
+   expert has at most one partial tile and ceil(a / M_tile) = N.
+
+The returned SlotTable holds the selected candidate's bindings, with ``last_used[w, r] = seq`` for
+every redundant slot that has work in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.scheduler.plan import Plan, SlotTable, Target
+
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """Validated inputs of one call, as plain arrays."""
+
+    demand: np.ndarray            # int64[E]
+    table_expert: np.ndarray      # int64[F, R]
+    table_last_used: np.ndarray   # int64[F, R]
+    protected: np.ndarray         # bool[F, R]
+    prev_assignment: np.ndarray | None  # int64[E, F]
+
+
+def check_inputs(shape: ClusterShape, demand: object, table: SlotTable, protected: object,
+                 prev_assignment: object, params: SchedulerParams, cost: CostModel,
+                 target: Target, seq: int) -> Inputs:
+    """Validate the inputs of ``schedule``; raise ValueError naming the field and expectation."""
+    if not isinstance(shape, ClusterShape):
+        raise ValueError(f"shape: expected a ClusterShape, got {type(shape).__name__}")
+    if not isinstance(params, SchedulerParams):
+        raise ValueError(f"params: expected a SchedulerParams, got {type(params).__name__}")
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
+    if not isinstance(target, Target):
+        raise ValueError(f"target: expected a Target, got {type(target).__name__}")
+    if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < 2**63:
+        raise ValueError(f"seq: expected an integer in [0, 2**63), got {seq!r}")
+    d = shape.check_demand(demand)
+    if d.size and int(d.max()) > INT32_MAX:
+        raise ValueError(f"demand: expected counts <= {INT32_MAX}, got {int(d.max())}")
+    if int(d.sum()) > INT32_MAX:
+        raise ValueError(f"demand: expected a total <= {INT32_MAX}, got {int(d.sum())}")
+    if not isinstance(table, SlotTable):
+        raise ValueError(f"slot_table: expected a SlotTable, got {type(table).__name__}")
+    f, r = shape.num_workers, shape.redundant_slots
+    expert = _integer_matrix(table.expert, "slot_table.expert", (f, r))
+    last_used = _integer_matrix(table.last_used, "slot_table.last_used", (f, r))
+    table.check(shape)
+    if np.any(last_used < -1):
+        raise ValueError(f"slot_table.last_used: expected values >= -1, got {int(last_used.min())}")
+    prot = check_protected(protected, (f, r))
+    prev = None
+    if prev_assignment is not None:
+        prev = _integer_matrix(prev_assignment, "prev_assignment", (shape.num_experts, f))
+        if np.any(prev < 0) or np.any(prev > INT32_MAX):
+            bad = prev[(prev < 0) | (prev > INT32_MAX)][0]
+            raise ValueError(f"prev_assignment: expected counts in [0, {INT32_MAX}], got {int(bad)}")
+    return Inputs(d, expert, last_used, prot, prev)
+
+
+def check_protected(protected: object, expected: tuple[int, int]) -> np.ndarray:
+    """Validate U[t] and return it as a C-contiguous bool[F, R]."""
+    arr = np.asarray(protected)
+    if arr.shape != expected:
+        raise ValueError(f"protected: expected shape {expected}, got {arr.shape}")
+    if arr.dtype != np.bool_:
+        if arr.dtype.kind not in "iuf" or not np.all((arr == 0) | (arr == 1)):
+            raise ValueError(f"protected: expected booleans (or 0/1), got dtype {arr.dtype}")
+        arr = arr != 0
+    return np.ascontiguousarray(arr)
+
+
+def _integer_matrix(value: object, field: str, expected: tuple[int, int]) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.shape != expected:
+        raise ValueError(f"{field}: expected shape {expected}, got {arr.shape}")
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            raise ValueError(f"{field}: expected integer values, got non-integer or NaN")
+    elif arr.dtype.kind not in "iu":
+        raise ValueError(f"{field}: expected integer values, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: object,
+             prev_assignment: object, params: SchedulerParams, cost: CostModel,
+             target: Target, seq: int) -> tuple[Plan, SlotTable]:
+    """Plan one target with Algorithm 1. Pure: the inputs are not mutated.
+
+    Args:
+      shape: the FFN pool (E experts, F workers, R redundant slots, M_tile).
+      demand: int[E] token-expert pairs per expert of this target.
+      table: projected slot table C[t] of this layer (expert int32[F, R], last_used int64[F, R]).
+      protected: bool[F, R] U[t], slots with work in the running target.
+      prev_assignment: int32[E, F] A[t-1] of this layer, or None.
+      params: theta (tiles) and copy budget B.
+      cost: beta_tile_ms, copy_ms (via M(Delta)) and window_ms W_t.
+      target, seq: the target and its sequence number (seq >= 0).
+    Returns:
+      (plan, table): the plan P[t] and the projected slot table after it.
+    """
+    inp = check_inputs(shape, demand, table, protected, prev_assignment, params, cost, target, seq)
+    e_count, f, m = shape.num_experts, shape.num_workers, shape.m_tile
+    owner = shape.primary_owner
+    pcount = shape.primary_counts
+    theta, budget = params.theta, params.copy_budget
+    beta, copy_ms, window = cost.beta_tile_ms, cost.copy_ms, cost.window_ms
+
+    k = -(-inp.demand // m)
+    binding = inp.table_expert.copy()
+    has = placement(owner, binding, e_count)
+    tiles = initialize_assignment(k, has, owner, inp.prev_assignment, theta)
+    load = tiles.sum(axis=0)
+
+    # Stage 2: rebalancing within the placement.
+    while (move := find_within_move(tiles, load, has, theta)) is not None:
+        e, h, c, q = move
+        _move_tiles(tiles, load, e, h, c, q)
+
+    # Stage 3: rebalancing beyond the placement.
+    f0 = beta * int(load.max())
+    best = (tiles.copy(), load.copy(), has.copy(), binding.copy(), [])
+    best_gain, best_exposed = 0.0, 0.0
+    reserved = np.zeros_like(inp.protected)
+    copies: list[tuple[int, int, int, int]] = []
+    copies_into = np.zeros(f, np.int64)
+    while len(copies) < budget:
+        blocked = inp.protected | reserved
+        move = find_beyond_move(tiles, load, has, binding, inp.table_last_used, blocked, theta)
+        if move is None:
+            break
+        e, h, c, r, q = move
+        old = int(binding[c, r])
+        if old >= 0:
+            has[old, c] = False
+        binding[c, r] = e
+        has[e, c] = True
+        reserved[c, r] = True
+        copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
+        copies_into[c] += 1
+        _move_tiles(tiles, load, e, h, c, q)
+        exposed = exposed_cost(int(copies_into.max()), copy_ms, window)
+        gain = f0 - beta * int(load.max()) - exposed
+        if gain > best_gain:
+            best = (tiles.copy(), load.copy(), has.copy(), binding.copy(), list(copies))
+            best_gain, best_exposed = gain, exposed
+    tiles, load, has, binding, copies = best
+
+    assignment = fill_tokens(inp.demand, k, tiles, owner, m)
+    slot = np.full((e_count, f), -1, np.int32)
+    slot[np.arange(e_count), owner] = shape.primary_slot
+    new_last_used = inp.table_last_used.copy()
+    for w, r in zip(*np.nonzero(binding >= 0)):
+        ex = int(binding[w, r])
+        slot[ex, w] = pcount[w] + r
+        if tiles[ex, w] > 0:
+            new_last_used[w, r] = seq
+    plan = Plan(
+        target=target, seq=int(seq), demand=inp.demand.copy(), replicas=slot >= 0,
+        assignment=assignment.astype(np.int32), tiles=tiles.astype(np.int32), slot=slot,
+        copies=np.array(copies, np.int32).reshape(-1, 4), tile_load=load.astype(np.int32),
+        gain_ms=float(best_gain), exposed_ms=float(best_exposed))
+    return plan, SlotTable(binding.astype(np.int32), new_last_used)
+
+
+def placement(owner: np.ndarray, binding: np.ndarray, num_experts: int) -> np.ndarray:
+    """bool[E, F] x[e, w]: the fixed primaries plus every redundant binding."""
+    f = binding.shape[0]
+    has = np.zeros((num_experts, f), bool)
+    has[np.arange(num_experts), owner] = True
+    w, r = np.nonzero(binding >= 0)
+    has[binding[w, r], w] = True
+    return has
+
+
+def initialize_assignment(k: np.ndarray, has: np.ndarray, owner: np.ndarray,
+                          prev: np.ndarray | None, theta: int) -> np.ndarray:
+    """int64[E, F] N: k_e tiles per expert spread like A[t-1] over e's current replicas."""
+    e_count, f = has.shape
+    tiles = np.zeros((e_count, f), np.int64)
+    for e in np.flatnonzero(k):
+        ke = int(k[e])
+        weights = {}
+        if prev is not None and ke > theta:
+            weights = {int(w): int(prev[e, w]) for w in np.flatnonzero(has[e]) if prev[e, w] > 0}
+        total = sum(weights.values())
+        if total == 0:
+            tiles[e, owner[e]] = ke
+            continue
+        floors = {w: ke * p // total for w, p in weights.items()}
+        leftover = ke - sum(floors.values())
+        by_remainder = sorted(weights, key=lambda w: (-(ke * weights[w] % total), w))
+        for w in by_remainder[:leftover]:
+            floors[w] += 1
+        for w, n in floors.items():
+            tiles[e, w] = n
+    return tiles
+
+
+def scan_orders(load: np.ndarray) -> tuple[list[int], list[int]]:
+    """Donors in decreasing load and receivers in increasing load, ties to the lower index."""
+    workers = range(len(load))
+    return (sorted(workers, key=lambda w: (-int(load[w]), w)),
+            sorted(workers, key=lambda w: (int(load[w]), w)))
+
+
+def find_within_move(tiles: np.ndarray, load: np.ndarray, has: np.ndarray,
+                     theta: int) -> tuple[int, int, int, int] | None:
+    """FindWithinMove: (e, h, c, q) onto an existing replica, or None."""
+    donors, receivers = scan_orders(load)
+    for h in donors:
+        # q_e > theta needs N[e, h] > theta and floor((T_h - T_c) / 2) > theta.
+        movable = np.flatnonzero(tiles[:, h] > theta)
+        if movable.size == 0:
+            continue
+        reachable = has[movable].any(axis=0)
+        for c in receivers:
+            half = (int(load[h]) - int(load[c])) // 2
+            if half <= theta:  # later receivers are no lighter
+                break
+            if not reachable[c]:
+                continue
+            experts = movable[has[movable, c]]
+            q = np.minimum(tiles[experts, h], half)
+            i = int(np.argmax(q))  # first maximum: the lowest expert index
+            return int(experts[i]), h, c, int(q[i])
+    return None
+
+
+def safe_slot(c: int, tiles: np.ndarray, binding: np.ndarray, last_used: np.ndarray,
+              blocked: np.ndarray) -> int | None:
+    """The redundant slot of worker c a new replica may take, or None.
+
+    Empty slots first (lowest index), else the least recently used slot whose expert has no
+    tiles on c (ties: lowest index); never a blocked (protected or reserved) slot.
+    """
+    free = [r for r in range(binding.shape[1]) if binding[c, r] < 0 and not blocked[c, r]]
+    if free:
+        return free[0]
+    idle = [r for r in range(binding.shape[1])
+            if binding[c, r] >= 0 and not blocked[c, r] and tiles[binding[c, r], c] == 0]
+    if not idle:
+        return None
+    return min(idle, key=lambda r: (int(last_used[c, r]), r))
+
+
+def find_beyond_move(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, binding: np.ndarray,
+                     last_used: np.ndarray, blocked: np.ndarray,
+                     theta: int) -> tuple[int, int, int, int, int] | None:
+    """FindBeyondMove: (e, h, c, r, q) onto a new replica in slot r of c, or None."""
+    donors, receivers = scan_orders(load)
+    slots = {c: safe_slot(c, tiles, binding, last_used, blocked) for c in range(len(load))}
+    for h in donors:
+        movable = np.flatnonzero(tiles[:, h] > theta)
+        if movable.size == 0:
+            continue
+        for c in receivers:
+            half = (int(load[h]) - int(load[c])) // 2
+            if half <= theta:
+                break
+            if slots[c] is None:
+                continue
+            experts = movable[~has[movable, c]]
+            if experts.size == 0:
+                continue
+            q = np.minimum(tiles[experts, h], half)
+            i = int(np.argmax(q))
+            return int(experts[i]), h, c, slots[c], int(q[i])
+    return None
+
+
+def exposed_cost(max_copies_into_one_worker: int, copy_ms: float, window_ms: float) -> float:
+    """O_t(Delta) = max(0, M(Delta) - W_t) in ms; copies into one worker serialise."""
+    return max(0.0, float(max_copies_into_one_worker) * copy_ms - window_ms)
+
+
+def fill_tokens(demand: np.ndarray, k: np.ndarray, tiles: np.ndarray, owner: np.ndarray,
+                m_tile: int) -> np.ndarray:
+    """int64[E, F] a: full tiles everywhere but one worker per expert, which takes the rest."""
+    e_count, f = tiles.shape
+    assignment = tiles * m_tile
+    rows = np.arange(e_count)
+    on_primary = tiles[rows, owner] > 0
+    last = f - 1 - np.argmax(tiles[:, ::-1] > 0, axis=1)
+    partial = np.where(on_primary, owner, last)
+    busy = k > 0
+    rows, partial = rows[busy], partial[busy]
+    assignment[rows, partial] = demand[rows] - (k[rows] - tiles[rows, partial]) * m_tile
+    return assignment
+
+
+def _move_tiles(tiles: np.ndarray, load: np.ndarray, e: int, h: int, c: int, q: int) -> None:
+    tiles[e, h] -= q
+    tiles[e, c] += q
+    load[h] -= q
+    load[c] += q
