@@ -1,0 +1,250 @@
+// Named POSIX shared-memory segments under /dev/shm with one owner.
+//
+// Every afore segment starts with SegmentHeader. The owner creates it (O_EXCL), publishes
+// `state = kReady` with release ordering once the layout is initialised, and unlinks it on
+// close. A segment left behind by a crashed run (owner pid gone, or another format version)
+// is detected at create time and replaced; a segment whose owner is alive is never touched.
+#pragma once
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <stdexcept>
+#include <string>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace afore::shm {
+
+constexpr uint64_t kMagic = 0x4d48535245524f46ULL;  // "FORESHM" + 'M', little-endian
+constexpr uint32_t kFormatVersion = 1;
+constexpr size_t kCacheLine = 64;
+
+enum class SegmentKind : uint32_t { kMailbox = 1, kPlanRing = 2 };
+enum SegmentState : uint32_t { kInitializing = 0, kReady = 1, kClosed = 2 };
+
+struct alignas(kCacheLine) SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t kind;
+  std::atomic<uint32_t> state;
+  int32_t owner_pid;
+  uint64_t total_size;
+  uint64_t created_unix_ns;
+  uint64_t instance;  // random per creation: lets attachers notice a replaced segment
+};
+static_assert(sizeof(SegmentHeader) == kCacheLine, "header must be one cache line");
+
+inline uint64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ULL + uint64_t(ts.tv_nsec);
+}
+
+inline uint64_t realtime_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ULL + uint64_t(ts.tv_nsec);
+}
+
+inline bool pid_alive(int32_t pid) {
+  if (pid <= 0) return false;
+  return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+inline void sleep_ns(uint64_t ns) {
+  timespec ts{time_t(ns / 1000000000ULL), long(ns % 1000000000ULL)};
+  nanosleep(&ts, nullptr);
+}
+
+// Waits with a spin phase (lowest latency, burns a core) and then sleeps growing from
+// 20 us to 1 ms, so that an idle consumer costs little CPU on a shared machine.
+class Backoff {
+ public:
+  explicit Backoff(uint64_t spin_ns) : spin_ns_(spin_ns), start_(monotonic_ns()) {}
+  void pause() {
+    if (monotonic_ns() - start_ < spin_ns_) {
+      for (int i = 0; i < 32; ++i) cpu_relax();
+      return;
+    }
+    sleep_ns(sleep_);
+    if (sleep_ < 1000000) sleep_ *= 2;
+  }
+
+ private:
+  uint64_t spin_ns_;
+  uint64_t start_;
+  uint64_t sleep_ = 20000;
+};
+
+inline std::string shm_path(const std::string& name) { return "/dev/shm/" + name; }
+
+inline void check_name(const std::string& name) {
+  if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos || name[0] == '.')
+    throw std::invalid_argument("name: expected a segment name without '/' (1-200 chars), got '" + name + "'");
+}
+
+// A mapping of one segment; owns the mapping, not the name (see Segment::unlink).
+class Segment {
+ public:
+  Segment() = default;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment() { unmap(); }
+
+  // Create `name` with `size` bytes, replacing a stale segment. Throws if a live owner holds it.
+  void create(const std::string& name, size_t size, SegmentKind kind) {
+    check_name(name);
+    name_ = "/" + name;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0 && errno == EEXIST) {
+        replace_if_stale(name);
+        continue;
+      }
+      if (fd < 0) throw std::runtime_error("shm_open(" + name + "): " + std::strerror(errno));
+      if (ftruncate(fd, off_t(size)) != 0) {
+        int err = errno;
+        close(fd);
+        shm_unlink(name_.c_str());
+        throw std::runtime_error("ftruncate(" + name + "): " + std::strerror(err));
+      }
+      map_fd(fd, size, true);
+      std::memset(base_, 0, size);
+      auto* h = header();
+      h->magic = kMagic;
+      h->version = kFormatVersion;
+      h->kind = uint32_t(kind);
+      h->owner_pid = int32_t(getpid());
+      h->total_size = size;
+      h->created_unix_ns = realtime_ns();
+      h->instance = (realtime_ns() ^ (uint64_t(getpid()) << 32)) | 1;
+      owner_ = true;
+      return;
+    }
+    throw std::runtime_error("segment " + name + ": could not create after replacing a stale copy");
+  }
+
+  // Attach to a ready segment of `kind` created by someone else.
+  void attach(const std::string& name, SegmentKind kind, bool writable = true) {
+    check_name(name);
+    name_ = "/" + name;
+    int fd = shm_open(name_.c_str(), writable ? O_RDWR : O_RDONLY, 0);
+    if (fd < 0) throw std::invalid_argument("segment " + name + ": cannot open (" + std::strerror(errno) + ")");
+    struct stat st;
+    if (fstat(fd, &st) != 0 || size_t(st.st_size) < sizeof(SegmentHeader)) {
+      close(fd);
+      throw std::invalid_argument("segment " + name + ": too small to be an afore segment");
+    }
+    map_fd(fd, size_t(st.st_size), writable);
+    auto* h = header();
+    if (h->magic != kMagic) throw std::invalid_argument("segment " + name + ": not an afore segment (bad magic)");
+    if (h->version != kFormatVersion)
+      throw std::invalid_argument("segment " + name + ": format version " + std::to_string(h->version) +
+                                  ", expected " + std::to_string(kFormatVersion));
+    if (h->kind != uint32_t(kind)) throw std::invalid_argument("segment " + name + ": wrong kind");
+    if (h->state.load(std::memory_order_acquire) != kReady)
+      throw std::invalid_argument("segment " + name + ": not ready (being created or closed)");
+    if (h->total_size != size_) throw std::invalid_argument("segment " + name + ": size does not match its header");
+  }
+
+  void publish_ready() { header()->state.store(kReady, std::memory_order_release); }
+
+  // Owner only: mark closed (attachers notice) and remove the name.
+  void close_and_unlink() {
+    if (!base_ || !owner_) return;
+    header()->state.store(kClosed, std::memory_order_release);
+    // Only unlink the name if it still refers to our segment (a successor may own it now).
+    struct stat by_name, mine;
+    std::string path = shm_path(name_.substr(1));
+    if (stat(path.c_str(), &by_name) == 0 && fstat(fd_, &mine) == 0 && by_name.st_ino == mine.st_ino)
+      shm_unlink(name_.c_str());
+    owner_ = false;
+  }
+
+  // True when the name now refers to another segment (or none): this mapping is orphaned.
+  bool replaced() const {
+    if (!base_) return true;
+    struct stat by_name, mine;
+    std::string path = shm_path(name_.substr(1));
+    if (stat(path.c_str(), &by_name) != 0) return true;
+    if (fstat(fd_, &mine) != 0) return true;
+    return by_name.st_ino != mine.st_ino || header()->state.load(std::memory_order_acquire) == kClosed;
+  }
+
+  void unmap() {
+    if (base_) munmap(base_, size_);
+    if (fd_ >= 0) close(fd_);
+    base_ = nullptr;
+    fd_ = -1;
+  }
+
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  uint8_t* base() const { return static_cast<uint8_t*>(base_); }
+  size_t size() const { return size_; }
+  bool owner() const { return owner_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  void map_fd(int fd, size_t size, bool writable) {
+    void* p = mmap(nullptr, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      close(fd);
+      throw std::runtime_error("mmap(" + name_ + "): " + std::strerror(err));
+    }
+    base_ = p;
+    size_ = size;
+    fd_ = fd;
+  }
+
+  // An existing segment is stale when it is not ours (bad magic), of another format version,
+  // or its owner process is gone. A live owner's segment is never replaced.
+  static void replace_if_stale(const std::string& name) {
+    std::string slash = "/" + name;
+    int fd = shm_open(slash.c_str(), O_RDONLY, 0);
+    if (fd < 0) return;  // vanished meanwhile: retry create
+    struct stat st;
+    bool stale = true;
+    int32_t owner = 0;
+    if (fstat(fd, &st) == 0 && size_t(st.st_size) >= sizeof(SegmentHeader)) {
+      void* p = mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd, 0);
+      if (p != MAP_FAILED) {
+        auto* h = static_cast<SegmentHeader*>(p);
+        owner = h->owner_pid;
+        bool ours = h->magic == kMagic && h->version == kFormatVersion;
+        uint32_t state = h->state.load(std::memory_order_acquire);
+        stale = !ours || state == kClosed || !pid_alive(owner);
+        munmap(p, sizeof(SegmentHeader));
+      }
+    } else if (fstat(fd, &st) == 0 && st.st_size == 0) {
+      stale = true;  // creator crashed between shm_open and ftruncate
+    }
+    close(fd);
+    if (!stale)
+      throw std::invalid_argument("segment " + name + ": in use by live owner pid " + std::to_string(owner));
+    shm_unlink(slash.c_str());
+  }
+
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  int fd_ = -1;
+  bool owner_ = false;
+  std::string name_;
+};
+
+}  // namespace afore::shm
