@@ -1,0 +1,63 @@
+"""``FFNLayer``: one MoE layer's routed experts on one FFN worker.
+
+forward(hidden [N, H], topk_ids int32 [N, k], topk_weights fp32 [N, k], plan, worker)
+  -> this worker's partial output [N, H]
+
+Exact partition (eq. 11, ``afore.ffn.partition``) selects this worker's token-expert pairs,
+the plan's slot bindings sigma map their logical experts to physical slots of the slot pool,
+and the grouped GEMM (``afore.ffn.experts``) computes them with the routing weights applied.
+The sum of the partial outputs over all F workers equals the monolithic MoE layer
+(invariant 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from afore.ffn.experts import grouped_expert_mlp
+from afore.ffn.partition import worker_pairs
+from afore.migrator.slot_pool import SlotPool
+from afore.scheduler.plan import Plan
+
+
+class FFNLayer:
+    """Routed experts of one layer on one worker, computing that worker's share of a plan."""
+
+    def __init__(self, pool: SlotPool, backend: str = "auto", block_m: int | None = None) -> None:
+        self.pool = pool
+        self.backend = backend
+        self.block_m = block_m or pool.shape.m_tile
+        self._owner = torch.as_tensor(pool.shape.primary_owner, dtype=torch.int64, device=pool.device)
+
+    def check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        h, k, e = self.pool.hidden, self.pool.shape.top_k, self.pool.shape.num_experts
+        if hidden.dim() != 2 or hidden.shape[1] != h:
+            raise ValueError(f"hidden: expected shape [N, {h}], got {tuple(hidden.shape)}")
+        n = hidden.shape[0]
+        if tuple(topk_ids.shape) != (n, k):
+            raise ValueError(f"topk_ids: expected shape [{n}, {k}], got {tuple(topk_ids.shape)}")
+        if tuple(topk_weights.shape) != (n, k):
+            raise ValueError(f"topk_weights: expected shape [{n}, {k}], got {tuple(topk_weights.shape)}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids: expected dtype int32, got {topk_ids.dtype}")
+        if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
+            raise ValueError(f"topk_ids: expected values in [0, {e}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                plan: Plan, worker: int | None = None) -> torch.Tensor:
+        worker = self.pool.worker if worker is None else worker
+        if worker != self.pool.worker:
+            raise ValueError(f"worker: expected {self.pool.worker} (this layer's pool), got {worker}")
+        device = self.pool.device
+        assignment = torch.as_tensor(plan.assignment, device=device)
+        slot_of_expert = torch.as_tensor(plan.slot[:, worker], dtype=torch.int64, device=device)
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1).long()
+        pairs = worker_pairs(topk_ids, assignment, self._owner, worker)
+        pair_token = torch.div(pairs, k, rounding_mode="floor")
+        pair_slot = slot_of_expert[flat_ids[pairs]]
+        pair_weight = topk_weights.reshape(-1)[pairs].float()
+        return grouped_expert_mlp(hidden, pair_token, pair_slot, pair_weight, self.pool.w13, self.pool.w2,
+                                  backend=self.backend, block_m=self.block_m)
+
+    __call__ = forward

@@ -1,0 +1,259 @@
+"""Copy engines: move an expert's weights from its primary owner into a redundant slot.
+
+One interface, three engines:
+
+  ``CudaCopyEngine``    the production path. Copies run on a dedicated side stream of the
+                        destination GPU; the source is the primary owner's slot pool, opened in
+                        this process through a CUDA IPC handle (``afore.migrator.peers``), so the
+                        copy is a one-sided pull over NVLink (cudaMemcpyPeerAsync under
+                        ``Tensor.copy_``). Ordering is by CUDA events only: the side stream waits
+                        for the model-stream events of the last readers of a slot before
+                        overwriting it, and the model stream waits for a copy's completion event
+                        only if the copy is still running. The host never waits.
+  ``ThreadCopyEngine``  CPU: a background thread plays the side stream (in order, with an
+                        optional artificial delay per copy), so overlap, late copies and
+                        invariant 2 are exercised by CPU tests exactly as on the GPU.
+  ``SyncCopyEngine``    CPU: copies inline at submission (optionally slowed down); the simplest
+                        correct engine.
+
+Timeline markers (``mark()``) are host clock readings on CPU and CUDA events on the model
+stream on GPU; ``elapsed_ms(a, b)`` returns None until both points have happened, so the
+migrator resolves its per-target timings lazily, without synchronising.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+
+@dataclasses.dataclass
+class CopyJob:
+    """One expert copy: source views (primary slot on the owner) into destination views."""
+
+    dst_w13: torch.Tensor
+    dst_w2: torch.Tensor
+    src_w13: torch.Tensor
+    src_w2: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.src_w13.numel() * self.src_w13.element_size() + self.src_w2.numel() * self.src_w2.element_size()
+
+
+class CopyBatch(Protocol):
+    start: object  # marker on the copy timeline when the batch began
+    end: object    # marker on the copy timeline when the batch completed
+
+    def done(self) -> bool: ...
+
+
+class CopyEngine(Protocol):
+    def submit(self, jobs: list[CopyJob], after: list[object]) -> CopyBatch:
+        """Enqueue ``jobs`` after every read fence in ``after``; returns the batch handle."""
+
+    def read_fence(self) -> object:
+        """A fence that completes when the compute issued so far has finished reading."""
+
+    def wait(self, batch: CopyBatch) -> None:
+        """Make the compute that follows wait for ``batch`` (stream wait on GPU)."""
+
+    def mark(self) -> object:
+        """A marker at the current point of the compute timeline."""
+
+    def elapsed_ms(self, a: object, b: object) -> float | None:
+        """Milliseconds from marker a to marker b; None until both have been reached."""
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- CPU engines
+
+
+class _HostBatch:
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end: float | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def finish(self) -> None:
+        self.end = time.perf_counter()
+        self._done.set()
+
+
+class _HostFence:
+    """A reached point of the host compute timeline (CPU compute is synchronous)."""
+
+    def done(self) -> bool:
+        return True
+
+
+def _run_jobs(jobs: list[CopyJob], delay_s: float) -> None:
+    with torch.no_grad():
+        for job in jobs:
+            if delay_s:
+                time.sleep(delay_s)
+            job.dst_w13.copy_(job.src_w13)
+            job.dst_w2.copy_(job.src_w2)
+
+
+class SyncCopyEngine:
+    """CPU engine: each batch is copied inline at submission, ``delay_s`` extra per copy."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        if delay_s < 0:
+            raise ValueError(f"delay_s: expected >= 0, got {delay_s}")
+        self.delay_s = delay_s
+
+    def submit(self, jobs: list[CopyJob], after: list[object]) -> _HostBatch:
+        batch = _HostBatch()
+        batch.start = time.perf_counter()
+        _run_jobs(jobs, self.delay_s)
+        batch.finish()
+        return batch
+
+    def read_fence(self) -> _HostFence:
+        return _HostFence()
+
+    def wait(self, batch: _HostBatch) -> None:
+        batch.wait()
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed_ms(self, a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else (b - a) * 1e3
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadCopyEngine(SyncCopyEngine):
+    """CPU engine with a background 'side stream': batches run in submission order on one
+    thread, ``delay_s`` extra per copy, so compute overlaps copies and must wait for late ones."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(delay_s)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="afore-copy", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            jobs, batch = item
+            batch.start = time.perf_counter()
+            try:
+                _run_jobs(jobs, self.delay_s)
+            except BaseException as exc:  # surfaced to the model thread at wait()
+                self._error = exc
+            batch.finish()
+
+    def submit(self, jobs: list[CopyJob], after: list[object]) -> _HostBatch:
+        # Read fences on CPU are reached by construction (release() runs after the compute).
+        batch = _HostBatch()
+        self._queue.put((jobs, batch))
+        return batch
+
+    def wait(self, batch: _HostBatch) -> None:
+        batch.wait()  # blocking wait on an Event, not a spin
+        if self._error is not None:
+            raise RuntimeError("expert copy failed on the copy thread") from self._error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------- GPU engine
+
+
+class _CudaBatch:
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def done(self) -> bool:
+        return self.end.query()
+
+
+class CudaCopyEngine:
+    """GPU engine: a side stream on the destination device, event-only synchronisation."""
+
+    def __init__(self, device: torch.device | int | str) -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device: expected a CUDA device, got {self.device}")
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._src_streams: dict[int, torch.cuda.Stream] = {}
+
+    def _src_stream(self, index: int) -> torch.cuda.Stream:
+        if index not in self._src_streams:
+            self._src_streams[index] = torch.cuda.Stream(device=index)
+        return self._src_streams[index]
+
+    def submit(self, jobs: list[CopyJob], after: list[object]) -> _CudaBatch:
+        batch = _CudaBatch()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+            for fence in after:
+                self.stream.wait_event(fence)
+            batch.start.record(self.stream)
+            for job in jobs:
+                src_index = job.src_w13.device.index
+                if src_index == self.device.index:
+                    job.dst_w13.copy_(job.src_w13, non_blocking=True)
+                    job.dst_w2.copy_(job.src_w2, non_blocking=True)
+                else:
+                    # A cross-device copy runs on the *source* device's current stream of this
+                    # process and then fences the destination's current stream: make both side
+                    # streams so the model streams are never involved.
+                    with torch.cuda.stream(self._src_stream(src_index)):
+                        job.dst_w13.copy_(job.src_w13, non_blocking=True)
+                        job.dst_w2.copy_(job.src_w2, non_blocking=True)
+            batch.end.record(self.stream)
+        return batch
+
+    def read_fence(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, batch: _CudaBatch) -> None:
+        if not batch.end.query():
+            torch.cuda.current_stream(self.device).wait_event(batch.end)
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_ms(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float | None:
+        if not (a.query() and b.query()):
+            return None
+        return a.elapsed_time(b)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_copy_engine(device: torch.device | str, delay_s: float = 0.0, threaded: bool = True) -> CopyEngine:
+    """The engine for ``device``: CUDA side stream on GPUs, a copy thread (or inline) on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaCopyEngine(device)
+    return ThreadCopyEngine(delay_s) if threaded else SyncCopyEngine(delay_s)

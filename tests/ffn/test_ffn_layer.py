@@ -1,0 +1,151 @@
+"""Invariant 1: any plan, placement and slot state gives the monolithic MoE layer's output."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from afore.config import ClusterShape
+from afore.ffn.layer import FFNLayer
+from afore.ffn.partition import ordinal_intervals, pair_ordinals, worker_pairs
+from afore.ffn.reference import dense_moe, random_plan, random_routing, random_slot_table
+from afore.migrator.slot_pool import SlotPool
+from afore.scheduler.plan import Target, check_plan, primary_only_plan
+
+H, I = 16, 8
+
+
+def make_pools(shape, table, w13, w2):
+    """Pools of every worker with the table's redundant bindings resident."""
+    pools = []
+    for w in range(shape.num_workers):
+        pool = SlotPool(shape, w, H, I, dtype=w13.dtype)
+        pool.load_primaries(w13, w2)
+        for r, ex in enumerate(table.expert[w]):
+            if ex >= 0:
+                s = pool.num_primaries + r
+                pool.w13[s] = w13[ex]
+                pool.w2[s] = w2[ex]
+                pool.resident[s] = ex
+        pools.append(pool)
+    return pools
+
+
+def apply_copies(pools, plan, w13, w2):
+    for ex, _, dst, s in plan.copies.tolist():
+        pools[dst].w13[s] = w13[ex]
+        pools[dst].w2[s] = w2[ex]
+        pools[dst].resident[s] = ex
+
+
+def relative_error(out, ref):
+    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+shapes = st.builds(
+    lambda e, f, r, k, m: ClusterShape(num_experts=max(e, f), num_workers=f, redundant_slots=r,
+                                       top_k=min(k, max(e, f)), m_tile=m),
+    st.integers(2, 16), st.integers(1, 4), st.integers(0, 3), st.integers(1, 4), st.integers(1, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1))
+def test_sum_over_workers_equals_dense_layer(shape, n, seed, fill):
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    e = shape.num_experts
+    w13 = torch.randn(e, 2 * I, H, generator=gen) / 4
+    w2 = torch.randn(e, H, I, generator=gen) / 4
+    hidden = torch.randn(n, H, generator=gen)
+    ids, weights = random_routing(n, shape, rng, skew=float(rng.uniform(0, 2)))
+    demand = np.bincount(ids.reshape(-1).numpy(), minlength=e)
+    table = random_slot_table(shape, rng, fill)
+    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
+    check_plan(shape, plan, table)
+    pools = make_pools(shape, table, w13, w2)
+    apply_copies(pools, plan, w13, w2)
+    partials = [FFNLayer(pool, backend="torch").forward(hidden, ids, weights, plan, w) for w, pool in enumerate(pools)]
+    out = torch.stack(partials).sum(0) if partials else torch.zeros(n, H)
+    ref = dense_moe(hidden, ids, weights, w13, w2)
+    assert out.shape == (n, H)
+    if n:
+        assert relative_error(out, ref) <= 1e-5
+
+
+def test_partition_is_exact_and_matches_assignment():
+    rng = np.random.default_rng(3)
+    shape = ClusterShape(num_experts=12, num_workers=4, redundant_slots=3, top_k=4, m_tile=4)
+    ids, _ = random_routing(200, shape, rng, skew=1.5)
+    demand = np.bincount(ids.reshape(-1).numpy(), minlength=12)
+    table = random_slot_table(shape, rng, 1.0)
+    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), 1, new_copies=3)
+    owner = torch.as_tensor(shape.primary_owner)
+    a = torch.as_tensor(plan.assignment)
+    chosen = [worker_pairs(ids, a, owner, w) for w in range(4)]
+    all_pairs = torch.cat(chosen).sort().values
+    assert torch.equal(all_pairs, torch.arange(ids.numel()))  # disjoint and covering
+    flat = ids.reshape(-1).long()
+    for w, pairs in enumerate(chosen):
+        got = np.bincount(flat[pairs].numpy(), minlength=12)
+        assert np.array_equal(got, plan.assignment[:, w])
+        # every worker's share of e is one contiguous ordinal interval
+        ords = pair_ordinals(flat, 12)[pairs]
+        for ex in np.nonzero(got)[0]:
+            o = ords[flat[pairs] == ex]
+            assert int(o.max() - o.min()) + 1 == o.numel()
+
+
+def test_ordinals_follow_flattened_routing_order():
+    ids = torch.tensor([[2, 0], [0, 1], [2, 0]])
+    assert pair_ordinals(ids.reshape(-1), 3).tolist() == [0, 0, 1, 0, 1, 2]
+
+
+def test_non_primary_replicas_take_the_first_ordinals_in_worker_order():
+    # expert 0 primary on worker 0, replicas on workers 1 and 2 with 3 and 2 pairs
+    a = torch.tensor([[5, 3, 2]])
+    lo, hi = ordinal_intervals(a, torch.tensor([0]))
+    assert (lo.tolist(), hi[0, 1:].tolist()) == ([[5, 0, 3]], [3, 5])
+    assert hi[0, 0] == torch.iinfo(torch.int64).max
+
+
+def test_primary_only_plan_runs_everything_on_primaries():
+    rng = np.random.default_rng(0)
+    shape = ClusterShape(num_experts=8, num_workers=3, redundant_slots=2, top_k=2, m_tile=4)
+    w13, w2 = torch.randn(8, 2 * I, H), torch.randn(8, H, I)
+    hidden = torch.randn(30, H)
+    ids, weights = random_routing(30, shape, rng)
+    plan = primary_only_plan(shape, np.bincount(ids.reshape(-1).numpy(), minlength=8), Target(0, 0, 0), 0)
+    pools = make_pools(shape, random_slot_table(shape, rng, 0.0), w13, w2)  # redundant slots hold NaN
+    out = sum(FFNLayer(p, backend="torch")(hidden, ids, weights, plan) for p in pools)
+    assert relative_error(out, dense_moe(hidden, ids, weights, w13, w2)) <= 1e-5
+
+
+def test_reading_an_uncopied_slot_is_detected():
+    """A plan whose copy never ran reads NaN, not plausible numbers (guards the guard)."""
+    rng = np.random.default_rng(1)
+    shape = ClusterShape(num_experts=4, num_workers=2, redundant_slots=1, top_k=2, m_tile=1)
+    w13, w2 = torch.randn(4, 2 * I, H), torch.randn(4, H, I)
+    ids = torch.tensor([[0, 1]] * 8, dtype=torch.int32)
+    weights = torch.full((8, 2), 0.5)
+    demand = np.bincount(ids.reshape(-1).numpy(), minlength=4)
+    plan = primary_only_plan(shape, demand, Target(0, 0, 0), 0)
+    plan.replicas[0, 1] = True
+    plan.slot[0, 1] = 2
+    plan.assignment[0] = [4, 4]
+    pools = make_pools(shape, random_slot_table(shape, rng, 0.0), w13, w2)
+    out = FFNLayer(pools[1], backend="torch")(torch.randn(8, H), ids, weights, plan)
+    assert torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("hidden", dict(hidden=torch.zeros(3, H + 1))),
+    ("topk_ids", dict(ids=torch.zeros(3, 3, dtype=torch.int32))),
+    ("topk_weights", dict(weights=torch.zeros(2, 2))),
+])
+def test_bad_inputs_name_the_field(field, kwargs):
+    shape = ClusterShape(num_experts=4, num_workers=1, redundant_slots=0, top_k=2)
+    layer = FFNLayer(SlotPool(shape, 0, H, I, dtype=torch.float32))
+    args = dict(hidden=torch.zeros(3, H), ids=torch.zeros(3, 2, dtype=torch.int32), weights=torch.zeros(3, 2))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        layer.check_inputs(args["hidden"], args["ids"], args["weights"])
