@@ -191,7 +191,7 @@ class Migrator:
             r = s - self.num_primaries
             self.projected[layer][r] = ex
             nbytes += pool.bytes_per_expert
-            (deferred if self.readers[layer][r] else jobs).append((ex, src, s))
+            (deferred if self._earlier_readers(layer, s, plan.seq) else jobs).append((ex, src, s))
         batches = [self._submit(layer, jobs)] if jobs else []
         mine = plan.slot[:, self.worker]
         reads = np.unique(mine[(mine >= self.num_primaries) & (plan.assignment[:, self.worker] > 0)])
@@ -240,11 +240,14 @@ class Migrator:
             other = self.prepared[later]
             if other.plan.target.layer != layer or not other.deferred:
                 continue
-            ready = [c for c in other.deferred if not self.readers[layer][c[2] - self.num_primaries]]
+            ready = [c for c in other.deferred if not self._earlier_readers(layer, c[2], later)]
             if ready:
                 other.deferred = [c for c in other.deferred if c not in ready]
                 other.batches.append(self._submit(layer, ready))
         self._resolve()
+
+    def _earlier_readers(self, layer: int, slot: int, seq: int) -> bool:
+        return any(reader < seq for reader in self.readers[layer][slot - self.num_primaries])
 
     def forget(self, plan: Plan) -> None:
         """Drop a prepared plan that will not run (its copies stay; its reads are released)."""

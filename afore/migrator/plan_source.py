@@ -1,0 +1,124 @@
+"""PlanSource: how an FFN worker gets the plan of a target.
+
+``get(target, seq, timeout_s) -> Plan | None``. ``None`` means no valid plan in time (the
+scheduler is late, dead, the plan was missed, stale or corrupted): the caller runs the target
+on ``primary_only_plan`` and counts a miss (DESIGN.md invariant 5). ``misses`` counts them here
+too, so a worker can report it.
+
+- ``QueuePlanSource``: in-process (scheduler and FFN worker in one process; tests).
+- ``RingPlanSource``: the shared-memory PlanRing of the scheduler service.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+
+from afore.config import ClusterShape
+from afore.scheduler.plan import Plan, Target
+from afore.scheduler.plan_ring import PlanRing
+
+
+class PlanSource(abc.ABC):
+    """The FFN worker's view of the plans."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.misses = 0
+
+    @abc.abstractmethod
+    def _get(self, target: Target, seq: int, timeout_s: float) -> Plan | None: ...
+
+    def get(self, target: Target, seq: int, timeout_s: float) -> Plan | None:
+        """The plan of ``target`` (sequence number ``seq``), or None after ``timeout_s``."""
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s: expected >= 0, got {timeout_s}")
+        plan = self._get(target, seq, timeout_s)
+        if plan is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return plan
+
+    def close(self) -> None:
+        pass
+
+
+class QueuePlanSource(PlanSource):
+    """In-process plans: the scheduler calls ``put(plan)``, workers ``get``; plans older than the
+    newest asked-for seq are dropped, at most ``capacity`` are kept."""
+
+    def __init__(self, capacity: int = 64):
+        super().__init__()
+        if capacity < 1:
+            raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        self._plans: dict[int, Plan] = {}
+        self._capacity = capacity
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, plan: Plan) -> None:
+        with self._cond:
+            if plan.seq in self._plans:
+                raise ValueError(f"plan.seq: {plan.seq} was already published")
+            self._plans[plan.seq] = plan
+            while len(self._plans) > self._capacity:
+                del self._plans[min(self._plans)]
+            self._cond.notify_all()
+
+    def _get(self, target: Target, seq: int, timeout_s: float) -> Plan | None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                plan = self._plans.get(seq)
+                if plan is not None:
+                    return plan if plan.target == target else None
+                # a later plan means this seq was skipped by the scheduler: no need to wait
+                if self._closed or any(s > seq for s in self._plans):
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class RingPlanSource(PlanSource):
+    """Plans from the scheduler service's PlanRing, as reader ``reader_id`` (the worker's rank).
+
+    ``spin_s``: busy-poll this long before sleeping while waiting (lowest latency, costs a core).
+    If the scheduler restarts (its segment is replaced), the source re-attaches on the next miss.
+    """
+
+    def __init__(self, name: str, reader_id: int, shape: ClusterShape, spin_s: float = 0.0):
+        super().__init__()
+        self.name, self.reader_id, self.shape, self.spin_s = name, reader_id, shape, spin_s
+        self.ring = PlanRing.attach(name, reader_id, shape)
+
+    @property
+    def rejected(self) -> int:
+        return self.ring.rejected
+
+    def _get(self, target: Target, seq: int, timeout_s: float) -> Plan | None:
+        plan = self.ring.wait(seq, timeout_s, target, self.spin_s)
+        if plan is None and self.ring.replaced():
+            self._reattach()
+        return plan
+
+    def _reattach(self) -> None:
+        try:
+            ring = PlanRing.attach(self.name, self.reader_id, self.shape)
+        except ValueError:
+            return  # no scheduler yet: keep missing, try again next time
+        rejected = self.ring.rejected
+        self.ring.close()
+        self.ring = ring
+        self.ring.rejected = rejected
+
+    def close(self) -> None:
+        self.ring.close()
