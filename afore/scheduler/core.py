@@ -1,0 +1,94 @@
+"""Algorithm 1 through the C++ core (``afore._scheduler_core``): the production path.
+
+``schedule`` has the signature and the result of ``afore.scheduler.algorithm.schedule`` (all
+arrays equal, ``gain_ms``/``exposed_ms`` equal) and validates the same inputs with the same
+ValueErrors. Python work per call is kept to type and shape checks and wrapping the arrays the
+core returns; values are validated in C++. One ``Scheduler`` (preallocated scratch) is kept per
+cluster shape; calls are serialised by the GIL, which the core holds.
+
+``scheduler_for(shape)`` exposes the core object, e.g. to time the core alone with
+``scheduler_for(shape).schedule_bench(*core_arguments(...), repeats)`` (median ns per call).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from afore import _scheduler_core
+from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.scheduler import algorithm
+from afore.scheduler.plan import Plan, SlotTable, Target
+
+# Tile counts are below 2**31, so any theta >= 2**31 keeps every expert on its primary.
+THETA_CAP = 2**31
+
+
+@functools.lru_cache(maxsize=64)
+def scheduler_for(shape: ClusterShape) -> _scheduler_core.Scheduler:
+    """The C++ planner (with its scratch) for one cluster shape."""
+    return _scheduler_core.Scheduler(shape.num_experts, shape.num_workers,
+                                     shape.redundant_slots, shape.m_tile)
+
+
+def core_arguments(shape: ClusterShape, demand: object, table: SlotTable, protected: object,
+                   prev_assignment: object, params: SchedulerParams, cost: CostModel,
+                   target: Target, seq: int) -> tuple:
+    """Check types and shapes and return the positional arguments of ``Scheduler.schedule``."""
+    if not isinstance(shape, ClusterShape):
+        raise ValueError(f"shape: expected a ClusterShape, got {type(shape).__name__}")
+    if not isinstance(params, SchedulerParams):
+        raise ValueError(f"params: expected a SchedulerParams, got {type(params).__name__}")
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
+    if not isinstance(target, Target):
+        raise ValueError(f"target: expected a Target, got {type(target).__name__}")
+    if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < 2**63:
+        raise ValueError(f"seq: expected an integer in [0, 2**63), got {seq!r}")
+    if not isinstance(table, SlotTable):
+        raise ValueError(f"slot_table: expected a SlotTable, got {type(table).__name__}")
+    e, f, r = shape.num_experts, shape.num_workers, shape.redundant_slots
+
+    if isinstance(demand, np.ndarray) and demand.dtype == np.int64 and demand.shape == (e,):
+        demand = np.ascontiguousarray(demand)
+    else:  # the reference's checks: length, NaN, non-integer, negative
+        demand = shape.check_demand(demand)
+    expert = _matrix(table.expert, "slot_table.expert", (f, r), np.int32)
+    last_used = _matrix(table.last_used, "slot_table.last_used", (f, r), np.int64)
+    if isinstance(protected, np.ndarray) and protected.dtype == np.bool_ and protected.shape == (f, r):
+        protected = np.ascontiguousarray(protected)
+    else:
+        protected = algorithm.check_protected(protected, (f, r))
+    prev = None
+    if prev_assignment is not None:
+        prev = _matrix(prev_assignment, "prev_assignment", (e, f), np.int32)
+    return (demand, expert, last_used, protected, prev, min(params.theta, THETA_CAP),
+            min(params.copy_budget, f * r), cost.beta_tile_ms, cost.copy_ms, cost.window_ms,
+            int(seq))
+
+
+def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: object,
+             prev_assignment: object, params: SchedulerParams, cost: CostModel,
+             target: Target, seq: int) -> tuple[Plan, SlotTable]:
+    """Plan one target with Algorithm 1 (C++). Same contract as ``algorithm.schedule``."""
+    args = core_arguments(shape, demand, table, protected, prev_assignment, params, cost,
+                          target, seq)
+    (replicas, assignment, tiles, slot, copies, tile_load, new_expert, new_last_used,
+     gain_ms, exposed_ms) = scheduler_for(shape).schedule(*args)
+    plan = Plan(target=target, seq=int(seq), demand=args[0].copy(), replicas=replicas,
+                assignment=assignment, tiles=tiles, slot=slot, copies=copies,
+                tile_load=tile_load, gain_ms=gain_ms, exposed_ms=exposed_ms)
+    return plan, SlotTable(new_expert, new_last_used)
+
+
+def _matrix(value: object, field: str, expected: tuple[int, int], dtype: type) -> np.ndarray:
+    """A C-contiguous integer matrix of the core's dtype; values are checked in C++."""
+    if isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == expected:
+        return np.ascontiguousarray(value)
+    arr = algorithm._integer_matrix(value, field, expected)  # shape, NaN, non-integer
+    lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
+    if arr.size and (arr.min() < lo or arr.max() > hi):
+        bad = arr[(arr < lo) | (arr > hi)][0]
+        raise ValueError(f"{field}: expected values that fit {np.dtype(dtype).name}, got {int(bad)}")
+    return arr.astype(dtype)

@@ -1,0 +1,178 @@
+// Python bindings of the scheduler core: module afore._scheduler_core.
+//
+// Arrays cross as numpy arrays without copies (nanobind ndarray views in, owned arrays out);
+// afore/scheduler/core.py wraps them into Plan and SlotTable.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "scheduler/scheduler.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+template <typename T, size_t D>
+using In = nb::ndarray<const T, nb::ndim<D>, nb::c_contig, nb::device::cpu>;
+template <typename T, size_t D>
+using Out = nb::ndarray<nb::numpy, T, nb::ndim<D>>;
+
+template <typename T>
+struct Buffer {
+  T* data;
+  nb::capsule owner;
+  explicit Buffer(size_t n)
+      : data(new T[n > 0 ? n : 1]),
+        owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); }) {}
+};
+
+template <typename Array>
+void check_shape(const Array& a, const char* field, std::initializer_list<int64_t> expected) {
+  bool ok = a.ndim() == expected.size();
+  std::string want = "(", got = "(";
+  size_t i = 0;
+  for (int64_t n : expected) {
+    if (ok && static_cast<int64_t>(a.shape(i)) != n) ok = false;
+    want += std::to_string(n) + (i + 1 < expected.size() ? ", " : ")");
+    ++i;
+  }
+  for (size_t j = 0; j < a.ndim(); ++j) got += std::to_string(a.shape(j)) + (j + 1 < a.ndim() ? ", " : ")");
+  if (!ok)
+    throw std::invalid_argument(std::string(field) + ": expected shape " + want + ", got " + got);
+}
+
+afore::ScheduleInputs make_inputs(const afore::Scheduler& s, const In<int64_t, 1>& demand,
+                                  const In<int32_t, 2>& table_expert,
+                                  const In<int64_t, 2>& table_last_used,
+                                  const In<bool, 2>& protected_slots,
+                                  const std::optional<In<int32_t, 2>>& prev_assignment,
+                                  int64_t theta, int64_t copy_budget, double beta_tile_ms,
+                                  double copy_ms, double window_ms, int64_t seq) {
+  const int64_t E = s.num_experts(), F = s.num_workers(), R = s.redundant_slots();
+  if (static_cast<int64_t>(demand.shape(0)) != E)
+    throw std::invalid_argument("demand: expected a vector of length " + std::to_string(E) +
+                                " (num_experts), got shape (" + std::to_string(demand.shape(0)) +
+                                ",)");
+  check_shape(table_expert, "slot_table.expert", {F, R});
+  check_shape(table_last_used, "slot_table.last_used", {F, R});
+  check_shape(protected_slots, "protected", {F, R});
+  if (prev_assignment) check_shape(*prev_assignment, "prev_assignment", {E, F});
+  afore::ScheduleInputs in;
+  in.demand = demand.data();
+  in.table_expert = table_expert.data();
+  in.table_last_used = table_last_used.data();
+  in.protected_slots = protected_slots.data();
+  in.prev_assignment = prev_assignment ? prev_assignment->data() : nullptr;
+  in.theta = theta;
+  in.copy_budget = copy_budget;
+  in.beta_tile_ms = beta_tile_ms;
+  in.copy_ms = copy_ms;
+  in.window_ms = window_ms;
+  in.seq = seq;
+  return in;
+}
+
+nb::tuple schedule(afore::Scheduler& s, const In<int64_t, 1>& demand,
+                   const In<int32_t, 2>& table_expert, const In<int64_t, 2>& table_last_used,
+                   const In<bool, 2>& protected_slots,
+                   const std::optional<In<int32_t, 2>>& prev_assignment, int64_t theta,
+                   int64_t copy_budget, double beta_tile_ms, double copy_ms, double window_ms,
+                   int64_t seq) {
+  const afore::ScheduleInputs in =
+      make_inputs(s, demand, table_expert, table_last_used, protected_slots, prev_assignment,
+                  theta, copy_budget, beta_tile_ms, copy_ms, window_ms, seq);
+  const size_t E = s.num_experts(), F = s.num_workers(), R = s.redundant_slots();
+  const size_t max_copies = static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(copy_budget, F * R)));
+  Buffer<bool> replicas(E * F);
+  Buffer<int32_t> assignment(E * F), tiles(E * F), slot(E * F), tile_load(F), new_expert(F * R),
+      copies(4 * max_copies);
+  Buffer<int64_t> new_last_used(F * R);
+  afore::ScheduleOutputs out{replicas.data,  assignment.data, tiles.data,        slot.data,
+                             tile_load.data, new_expert.data, new_last_used.data, copies.data};
+  s.run(in, out);
+  return nb::make_tuple(
+      Out<bool, 2>(replicas.data, {E, F}, replicas.owner),
+      Out<int32_t, 2>(assignment.data, {E, F}, assignment.owner),
+      Out<int32_t, 2>(tiles.data, {E, F}, tiles.owner),
+      Out<int32_t, 2>(slot.data, {E, F}, slot.owner),
+      Out<int32_t, 2>(copies.data, {static_cast<size_t>(out.num_copies), 4}, copies.owner),
+      Out<int32_t, 1>(tile_load.data, {F}, tile_load.owner),
+      Out<int32_t, 2>(new_expert.data, {F, R}, new_expert.owner),
+      Out<int64_t, 2>(new_last_used.data, {F, R}, new_last_used.owner), out.gain_ms,
+      out.exposed_ms);
+}
+
+int64_t schedule_bench(afore::Scheduler& s, const In<int64_t, 1>& demand,
+                       const In<int32_t, 2>& table_expert, const In<int64_t, 2>& table_last_used,
+                       const In<bool, 2>& protected_slots,
+                       const std::optional<In<int32_t, 2>>& prev_assignment, int64_t theta,
+                       int64_t copy_budget, double beta_tile_ms, double copy_ms,
+                       double window_ms, int64_t seq, int64_t repeats) {
+  if (repeats < 1) throw std::invalid_argument("repeats: expected >= 1, got " + std::to_string(repeats));
+  const afore::ScheduleInputs in =
+      make_inputs(s, demand, table_expert, table_last_used, protected_slots, prev_assignment,
+                  theta, copy_budget, beta_tile_ms, copy_ms, window_ms, seq);
+  const size_t E = s.num_experts(), F = s.num_workers(), R = s.redundant_slots();
+  const size_t max_copies = static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(copy_budget, F * R)));
+  std::vector<uint8_t> replicas(E * F);
+  std::vector<int32_t> assignment(E * F), tiles(E * F), slot(E * F), tile_load(F),
+      new_expert(F * R), copies(4 * max_copies + 4);
+  std::vector<int64_t> new_last_used(F * R);
+  afore::ScheduleOutputs out{reinterpret_cast<bool*>(replicas.data()),
+                             assignment.data(),
+                             tiles.data(),
+                             slot.data(),
+                             tile_load.data(),
+                             new_expert.data(),
+                             new_last_used.data(),
+                             copies.data()};
+  std::vector<int64_t> samples(static_cast<size_t>(repeats));
+  {
+    nb::gil_scoped_release release;
+    for (auto& sample : samples) {
+      const auto t0 = std::chrono::steady_clock::now();
+      s.run(in, out);
+      const auto t1 = std::chrono::steady_clock::now();
+      sample = std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+    }
+  }
+  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
+  return samples[samples.size() / 2];
+}
+
+}  // namespace
+
+NB_MODULE(_scheduler_core, m) {
+  m.doc() = "AFORE Algorithm 1 (C++ core); use afore.scheduler.core.schedule.";
+  nb::class_<afore::Scheduler>(m, "Scheduler",
+                               "Planner for one cluster shape; holds preallocated scratch. "
+                               "Not thread-safe: one call at a time per object.")
+      .def(nb::init<int64_t, int64_t, int64_t, int64_t>(), "num_experts"_a, "num_workers"_a,
+           "redundant_slots"_a, "m_tile"_a)
+      .def_prop_ro("num_experts", &afore::Scheduler::num_experts)
+      .def_prop_ro("num_workers", &afore::Scheduler::num_workers)
+      .def_prop_ro("redundant_slots", &afore::Scheduler::redundant_slots)
+      .def_prop_ro("m_tile", &afore::Scheduler::m_tile)
+      .def("schedule", &schedule, "demand"_a, "table_expert"_a, "table_last_used"_a,
+           "protected"_a, "prev_assignment"_a.none(), "theta"_a, "copy_budget"_a,
+           "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a,
+           "Plan one target. Returns (replicas bool[E,F], assignment int32[E,F], "
+           "tiles int32[E,F], slot int32[E,F], copies int32[C,4], tile_load int32[F], "
+           "new_expert int32[F,R], new_last_used int64[F,R], gain_ms, exposed_ms).")
+      .def("schedule_bench", &schedule_bench, "demand"_a, "table_expert"_a,
+           "table_last_used"_a, "protected"_a, "prev_assignment"_a.none(), "theta"_a,
+           "copy_budget"_a, "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a,
+           "repeats"_a,
+           "Run the same call `repeats` times into reused buffers (GIL released) and return "
+           "the median wall time of one call in ns: the core alone, validation and full "
+           "dense plan output included, Python object creation excluded.");
+}

@@ -1,0 +1,495 @@
+// Algorithm 1 of the AFORE paper: the C++ production core (see scheduler.hpp).
+//
+// The scan rules, tie-breaks and arithmetic follow afore/scheduler/algorithm.py line for line;
+// what differs is bookkeeping only:
+//  - donors/receivers are kept sorted incrementally (two workers change load per move);
+//  - within a donor, the first receiver in scan order that some movable expert reaches is the
+//    minimum over the replica sets of the movable experts, so no receiver loop is needed;
+//  - candidates of the beyond phase are restored by undoing the moves after the best one,
+//    instead of copying the state at every improvement.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+// Gains must be bit-identical to the Python reference: no fused multiply-add.
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include "scheduler/scheduler.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace afore {
+
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+}  // namespace
+
+Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant_slots,
+                     int64_t m_tile)
+    : E_(num_experts), F_(num_workers), R_(redundant_slots), M_(m_tile) {
+  if (E_ < 1) fail("num_experts: expected >= 1, got " + std::to_string(E_));
+  if (F_ < 1) fail("num_workers: expected >= 1, got " + std::to_string(F_));
+  if (R_ < 0) fail("redundant_slots: expected >= 0, got " + std::to_string(R_));
+  if (M_ < 1) fail("m_tile: expected >= 1, got " + std::to_string(M_));
+  if (E_ > kInt32Max || F_ > kInt32Max || E_ * F_ > (int64_t{1} << 34))
+    fail("num_experts * num_workers: expected <= 2**34, got " + std::to_string(E_ * F_));
+  // Primaries in contiguous blocks; the first E % F workers own one more (ClusterShape).
+  pcount_.resize(F_);
+  const int64_t base = E_ / F_, extra = E_ % F_;
+  for (int64_t w = 0; w < F_; ++w) pcount_[w] = static_cast<int32_t>(base + (w < extra ? 1 : 0));
+  owner_.resize(E_);
+  primary_slot_.resize(E_);
+  for (int64_t w = 0, e = 0; w < F_; ++w)
+    for (int32_t s = 0; s < pcount_[w]; ++s, ++e) {
+      owner_[e] = static_cast<int32_t>(w);
+      primary_slot_[e] = s;
+    }
+  k_.assign(E_, 0);
+  tiles_.assign(E_ * F_, 0);
+  has_.assign(E_ * F_, 0);
+  load_.assign(F_, 0);
+  binding_.assign(F_ * R_, -1);
+  reserved_.assign(F_ * R_, 0);
+  rep_count_.assign(E_, 0);
+  rep_.assign(E_ * F_, 0);
+  on_count_.assign(F_, 0);
+  on_.assign(F_ * E_, 0);
+  on_pos_.assign(E_ * F_, 0);
+  donors_.resize(F_);
+  receivers_.resize(F_);
+  donor_pos_.resize(F_);
+  receiver_pos_.resize(F_);
+  safe_list_.resize(F_);
+  safe_slot_.assign(F_, -1);
+  copies_into_.assign(F_, 0);
+  moves_.reserve(F_ * R_);
+  remainder_.assign(F_, 0);
+  lr_workers_.assign(F_, 0);
+  seen_stamp_.assign(E_, -1);
+}
+
+void Scheduler::validate(const ScheduleInputs& in) {
+  if (in.seq < 0) fail("seq: expected an integer in [0, 2**63), got " + std::to_string(in.seq));
+  if (in.theta < 0) fail("theta: expected >= 0, got " + std::to_string(in.theta));
+  if (in.copy_budget < 0) fail("copy_budget: expected >= 0, got " + std::to_string(in.copy_budget));
+  const double costs[3] = {in.beta_tile_ms, in.copy_ms, in.window_ms};
+  const char* names[3] = {"beta_tile_ms", "copy_ms", "window_ms"};
+  for (int i = 0; i < 3; ++i)
+    if (!std::isfinite(costs[i]) || costs[i] < 0)
+      fail(std::string(names[i]) + ": expected a finite value >= 0, got " + std::to_string(costs[i]));
+  int64_t total = 0, min_d = 0, max_d = 0;
+  for (int64_t e = 0; e < E_; ++e) {
+    const int64_t d = in.demand[e];
+    min_d = std::min(min_d, d);
+    max_d = std::max(max_d, d);
+    if (d > 0) total += std::min(d, kInt32Max + 1);
+  }
+  if (min_d < 0) fail("demand: expected non-negative counts, got min " + std::to_string(min_d));
+  if (max_d > kInt32Max)
+    fail("demand: expected counts <= " + std::to_string(kInt32Max) + ", got " + std::to_string(max_d));
+  if (total > kInt32Max)
+    fail("demand: expected a total <= " + std::to_string(kInt32Max) + ", got " + std::to_string(total));
+  for (int64_t w = 0; w < F_; ++w)
+    for (int64_t r = 0; r < R_; ++r) {
+      const int32_t b = in.table_expert[w * R_ + r];
+      if (b < -1 || b >= E_)
+        fail("slot_table.expert: expected values in [-1, " + std::to_string(E_) + "), got " +
+             std::to_string(b));
+    }
+  for (int64_t w = 0; w < F_; ++w) {
+    const int64_t stamp = stamp_++;  // unique per (call, worker): no reset between calls
+    for (int64_t r = 0; r < R_; ++r) {
+      const int32_t b = in.table_expert[w * R_ + r];
+      if (b < 0) continue;
+      if (owner_[b] == w)
+        fail("slot_table.expert: expert " + std::to_string(b) +
+             " bound to a redundant slot on its own primary worker " + std::to_string(w));
+      if (seen_stamp_[b] == stamp)
+        fail("slot_table.expert: expert " + std::to_string(b) + " bound twice on worker " +
+             std::to_string(w));
+      seen_stamp_[b] = stamp;
+    }
+  }
+  for (int64_t i = 0; i < F_ * R_; ++i)
+    if (in.table_last_used[i] < -1)
+      fail("slot_table.last_used: expected values >= -1, got " + std::to_string(in.table_last_used[i]));
+  if (in.prev_assignment != nullptr)
+    for (int64_t i = 0; i < E_ * F_; ++i)
+      if (in.prev_assignment[i] < 0)
+        fail("prev_assignment: expected counts in [0, " + std::to_string(kInt32Max) + "], got " +
+             std::to_string(in.prev_assignment[i]));
+}
+
+void Scheduler::add_replica(int32_t e, int32_t w) {
+  has_[e * F_ + w] = 1;
+  rep_[e * F_ + rep_count_[e]++] = w;
+}
+
+void Scheduler::remove_replica(int32_t e, int32_t w) {
+  has_[e * F_ + w] = 0;
+  int32_t* reps = &rep_[e * F_];
+  const int32_t n = rep_count_[e];
+  for (int32_t i = 0; i < n; ++i)
+    if (reps[i] == w) {
+      reps[i] = reps[n - 1];
+      break;
+    }
+  rep_count_[e] = n - 1;
+}
+
+void Scheduler::add_tiles(int32_t e, int32_t w, int64_t n) {
+  const int64_t idx = e * F_ + w;
+  const int64_t before = tiles_[idx], after = before + n;
+  tiles_[idx] = after;
+  if (before == 0 && after > 0) {
+    on_pos_[idx] = on_count_[w];
+    on_[w * E_ + on_count_[w]++] = e;
+  } else if (before > 0 && after == 0) {
+    const int32_t pos = on_pos_[idx];
+    const int32_t last = on_[w * E_ + --on_count_[w]];
+    on_[w * E_ + pos] = last;
+    on_pos_[last * F_ + w] = pos;
+  }
+  load_[w] += n;
+}
+
+void Scheduler::fix_order_after_decrease(int32_t w) {
+  int64_t p = donor_pos_[w];
+  while (p + 1 < F_ && donor_before(donors_[p + 1], w)) {
+    donors_[p] = donors_[p + 1];
+    donor_pos_[donors_[p]] = static_cast<int32_t>(p);
+    ++p;
+  }
+  donors_[p] = w;
+  donor_pos_[w] = static_cast<int32_t>(p);
+  p = receiver_pos_[w];
+  while (p > 0 && receiver_before(w, receivers_[p - 1])) {
+    receivers_[p] = receivers_[p - 1];
+    receiver_pos_[receivers_[p]] = static_cast<int32_t>(p);
+    --p;
+  }
+  receivers_[p] = w;
+  receiver_pos_[w] = static_cast<int32_t>(p);
+}
+
+void Scheduler::fix_order_after_increase(int32_t w) {
+  int64_t p = donor_pos_[w];
+  while (p > 0 && donor_before(w, donors_[p - 1])) {
+    donors_[p] = donors_[p - 1];
+    donor_pos_[donors_[p]] = static_cast<int32_t>(p);
+    --p;
+  }
+  donors_[p] = w;
+  donor_pos_[w] = static_cast<int32_t>(p);
+  p = receiver_pos_[w];
+  while (p + 1 < F_ && receiver_before(receivers_[p + 1], w)) {
+    receivers_[p] = receivers_[p + 1];
+    receiver_pos_[receivers_[p]] = static_cast<int32_t>(p);
+    ++p;
+  }
+  receivers_[p] = w;
+  receiver_pos_[w] = static_cast<int32_t>(p);
+}
+
+void Scheduler::move_tiles(int32_t e, int32_t h, int32_t c, int64_t q) {
+  add_tiles(e, h, -q);
+  fix_order_after_decrease(h);
+  add_tiles(e, c, q);
+  fix_order_after_increase(c);
+}
+
+void Scheduler::initialize(const ScheduleInputs& in) {
+  for (int64_t e = 0; e < E_; ++e) {
+    k_[e] = (in.demand[e] + M_ - 1) / M_;
+    add_replica(static_cast<int32_t>(e), owner_[e]);
+  }
+  for (int64_t i = 0; i < F_ * R_; ++i) {
+    binding_[i] = in.table_expert[i];
+    reserved_[i] = 0;
+    if (binding_[i] >= 0) add_replica(binding_[i], static_cast<int32_t>(i / R_));
+  }
+  for (int64_t w = 0; w < F_; ++w) load_[w] = 0;
+
+  // InitializeAssignment: largest remainder over e's current replicas, exact integers.
+  for (int32_t e = 0; e < E_; ++e) {
+    const int64_t k = k_[e];
+    if (k == 0) continue;
+    int64_t total = 0;
+    int32_t n = 0;
+    if (in.prev_assignment != nullptr && k > in.theta) {
+      const int32_t* prev = in.prev_assignment + e * F_;
+      for (int32_t i = 0; i < rep_count_[e]; ++i) {
+        const int32_t w = rep_[e * F_ + i];
+        if (prev[w] > 0) {
+          lr_workers_[n++] = w;
+          total += prev[w];
+        }
+      }
+    }
+    if (total == 0) {
+      add_tiles(e, owner_[e], k);
+      continue;
+    }
+    const int32_t* prev = in.prev_assignment + e * F_;
+    int64_t assigned = 0;
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t w = lr_workers_[i];
+      const int64_t quota = k * prev[w];  // < 2**62: k, prev <= 2**31 - 1
+      remainder_[w] = quota % total;
+      assigned += quota / total;
+      add_tiles(e, w, quota / total);
+    }
+    // Extra tiles to the largest remainders, ties to the lower worker index.
+    std::sort(lr_workers_.begin(), lr_workers_.begin() + n, [&](int32_t a, int32_t b) {
+      return remainder_[a] > remainder_[b] || (remainder_[a] == remainder_[b] && a < b);
+    });
+    for (int64_t i = 0; i < k - assigned; ++i) add_tiles(e, lr_workers_[i], 1);
+  }
+
+  for (int32_t w = 0; w < F_; ++w) donors_[w] = receivers_[w] = w;
+  std::sort(donors_.begin(), donors_.end(), [&](int32_t a, int32_t b) { return donor_before(a, b); });
+  std::sort(receivers_.begin(), receivers_.end(),
+            [&](int32_t a, int32_t b) { return receiver_before(a, b); });
+  for (int32_t i = 0; i < F_; ++i) {
+    donor_pos_[donors_[i]] = i;
+    receiver_pos_[receivers_[i]] = i;
+  }
+}
+
+bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c,
+                                 int64_t& q) const {
+  const int64_t need = 2 * theta + 2;  // floor(gap / 2) > theta  <=>  gap >= 2 theta + 2
+  const int64_t min_load = load_[receivers_[0]];
+  for (int64_t i = 0; i < F_; ++i) {
+    const int32_t donor = donors_[i];
+    const int64_t donor_load = load_[donor];
+    if (donor_load - min_load < need) break;  // no lighter receiver left for this or later donors
+    const int32_t* on = &on_[donor * E_];
+    const int32_t n_on = on_count_[donor];
+    // The first receiver in scan order that a movable expert reaches.
+    int32_t receiver = -1;
+    for (int32_t j = 0; j < n_on; ++j) {
+      const int32_t x = on[j];
+      if (tiles_[x * F_ + donor] <= theta) continue;
+      const int32_t* reps = &rep_[x * F_];
+      for (int32_t i2 = 0; i2 < rep_count_[x]; ++i2) {
+        const int32_t w = reps[i2];
+        if (w != donor && (receiver < 0 || receiver_before(w, receiver))) receiver = w;
+      }
+    }
+    if (receiver < 0) continue;
+    const int64_t gap = donor_load - load_[receiver];
+    if (gap < need) continue;
+    const int64_t half = gap / 2;
+    int32_t best = -1;
+    int64_t best_q = 0;
+    for (int32_t j = 0; j < n_on; ++j) {
+      const int32_t x = on[j];
+      const int64_t n = tiles_[x * F_ + donor];
+      if (n <= theta || !has_[x * F_ + receiver]) continue;
+      const int64_t qx = std::min(n, half);
+      if (best < 0 || qx > best_q || (qx == best_q && x < best)) {
+        best = x;
+        best_q = qx;
+      }
+    }
+    e = best;
+    h = donor;
+    c = receiver;
+    q = best_q;
+    return true;
+  }
+  return false;
+}
+
+int32_t Scheduler::safe_slot(int32_t c, const ScheduleInputs& in) const {
+  const int64_t base = c * R_;
+  for (int64_t r = 0; r < R_; ++r)
+    if (binding_[base + r] < 0 && !in.protected_slots[base + r] && !reserved_[base + r])
+      return static_cast<int32_t>(r);
+  int32_t best = -1;
+  for (int64_t r = 0; r < R_; ++r) {
+    const int32_t b = binding_[base + r];
+    if (b < 0 || in.protected_slots[base + r] || reserved_[base + r]) continue;
+    if (tiles_[b * F_ + c] > 0) continue;
+    if (best < 0 || in.table_last_used[base + r] < in.table_last_used[base + best])
+      best = static_cast<int32_t>(r);
+  }
+  return best;
+}
+
+bool Scheduler::find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& h, int32_t& c,
+                                 int32_t& r, int64_t& q) {
+  const int64_t theta = in.theta;
+  const int64_t need = 2 * theta + 2;
+  int64_t n_safe = 0;
+  for (int64_t i = 0; i < F_; ++i) {
+    const int32_t w = receivers_[i];
+    const int32_t s = safe_slot(w, in);
+    if (s >= 0) {
+      safe_list_[n_safe++] = w;
+      safe_slot_[w] = s;
+    }
+  }
+  if (n_safe == 0) return false;
+  const int64_t min_load = load_[safe_list_[0]];
+  for (int64_t i = 0; i < F_; ++i) {
+    const int32_t donor = donors_[i];
+    const int64_t donor_load = load_[donor];
+    if (donor_load - min_load < need) break;
+    const int32_t* on = &on_[donor * E_];
+    const int32_t n_on = on_count_[donor];
+    for (int64_t j = 0; j < n_safe; ++j) {
+      const int32_t receiver = safe_list_[j];
+      const int64_t gap = donor_load - load_[receiver];
+      if (gap < need) break;
+      const int64_t half = gap / 2;
+      int32_t best = -1;
+      int64_t best_q = 0;
+      for (int32_t k = 0; k < n_on; ++k) {
+        const int32_t x = on[k];
+        const int64_t n = tiles_[x * F_ + donor];
+        if (n <= theta || has_[x * F_ + receiver]) continue;
+        const int64_t qx = std::min(n, half);
+        if (best < 0 || qx > best_q || (qx == best_q && x < best)) {
+          best = x;
+          best_q = qx;
+        }
+      }
+      if (best >= 0) {
+        e = best;
+        h = donor;
+        c = receiver;
+        r = safe_slot_[receiver];
+        q = best_q;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
+  validate(in);
+  initialize(in);
+  const int64_t theta = in.theta;
+  int32_t e, h, c, r;
+  int64_t q;
+
+  // Stage 2: rebalancing within the placement.
+  while (find_within_move(theta, e, h, c, q)) move_tiles(e, h, c, q);
+
+  // Stage 3: rebalancing beyond the placement; keep the best positive net gain.
+  const double beta = in.beta_tile_ms;
+  const double f0 = beta * static_cast<double>(load_[donors_[0]]);
+  double best_gain = 0.0, best_exposed = 0.0;
+  size_t best_len = 0;
+  int64_t max_into = 0;
+  moves_.clear();
+  const int64_t budget = std::min(in.copy_budget, F_ * R_);  // each copy reserves a distinct slot
+  while (static_cast<int64_t>(moves_.size()) < budget && find_beyond_move(in, e, h, c, r, q)) {
+    const int32_t old = binding_[c * R_ + r];
+    if (old >= 0) remove_replica(old, c);
+    binding_[c * R_ + r] = e;
+    add_replica(e, c);
+    reserved_[c * R_ + r] = 1;
+    max_into = std::max(max_into, ++copies_into_[c]);
+    moves_.push_back(Move{e, h, c, r, old, q});
+    move_tiles(e, h, c, q);
+    const double exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
+    const double gain = f0 - beta * static_cast<double>(load_[donors_[0]]) - exposed;
+    if (gain > best_gain) {
+      best_gain = gain;
+      best_exposed = exposed;
+      best_len = moves_.size();
+    }
+  }
+  while (moves_.size() > best_len) {
+    const Move m = moves_.back();
+    moves_.pop_back();
+    move_tiles(m.expert, m.receiver, m.donor, m.tiles);
+    remove_replica(m.expert, m.receiver);
+    if (m.old_expert >= 0) add_replica(m.old_expert, m.receiver);
+    binding_[m.receiver * R_ + m.slot] = m.old_expert;
+  }
+  out.gain_ms = best_gain;
+  out.exposed_ms = best_exposed;
+  write_outputs(in, out);
+  reset();
+}
+
+void Scheduler::write_outputs(const ScheduleInputs& in, ScheduleOutputs& out) const {
+  const int64_t n = E_ * F_;
+  std::fill(out.replicas, out.replicas + n, false);
+  std::fill(out.assignment, out.assignment + n, 0);
+  std::fill(out.tiles, out.tiles + n, 0);
+  std::fill(out.slot, out.slot + n, -1);
+  for (int64_t e = 0; e < E_; ++e) {
+    out.replicas[e * F_ + owner_[e]] = true;
+    out.slot[e * F_ + owner_[e]] = primary_slot_[e];
+  }
+  for (int64_t w = 0; w < F_; ++w)
+    for (int64_t r = 0; r < R_; ++r) {
+      const int32_t b = binding_[w * R_ + r];
+      out.new_expert[w * R_ + r] = b;
+      out.new_last_used[w * R_ + r] = in.table_last_used[w * R_ + r];
+      if (b < 0) continue;
+      out.replicas[b * F_ + w] = true;
+      out.slot[b * F_ + w] = static_cast<int32_t>(pcount_[w] + r);
+      if (tiles_[b * F_ + w] > 0) out.new_last_used[w * R_ + r] = in.seq;
+    }
+  // Token fill: full tiles everywhere but one worker, which takes the partial tile.
+  for (int64_t e = 0; e < E_; ++e) {
+    const int64_t k = k_[e];
+    if (k == 0) continue;
+    const int32_t* reps = &rep_[e * F_];
+    int32_t partial = owner_[e];
+    if (tiles_[e * F_ + partial] == 0) {
+      partial = -1;
+      for (int32_t i = 0; i < rep_count_[e]; ++i)
+        if (tiles_[e * F_ + reps[i]] > 0) partial = std::max(partial, reps[i]);
+    }
+    for (int32_t i = 0; i < rep_count_[e]; ++i) {
+      const int32_t w = reps[i];
+      const int64_t t = tiles_[e * F_ + w];
+      if (t == 0) continue;
+      out.tiles[e * F_ + w] = static_cast<int32_t>(t);
+      out.assignment[e * F_ + w] =
+          static_cast<int32_t>(w == partial ? in.demand[e] - (k - t) * M_ : t * M_);
+    }
+  }
+  for (int64_t w = 0; w < F_; ++w) out.tile_load[w] = static_cast<int32_t>(load_[w]);
+  out.num_copies = static_cast<int64_t>(moves_.size());
+  for (size_t i = 0; i < moves_.size(); ++i) {
+    const Move& m = moves_[i];
+    out.copies[4 * i + 0] = m.expert;
+    out.copies[4 * i + 1] = owner_[m.expert];
+    out.copies[4 * i + 2] = m.receiver;
+    out.copies[4 * i + 3] = pcount_[m.receiver] + m.slot;
+  }
+}
+
+void Scheduler::reset() {
+  for (int64_t w = 0; w < F_; ++w) {
+    const int32_t* on = &on_[w * E_];
+    for (int32_t j = 0; j < on_count_[w]; ++j) tiles_[on[j] * F_ + w] = 0;
+    on_count_[w] = 0;
+    copies_into_[w] = 0;
+  }
+  for (int64_t e = 0; e < E_; ++e) {
+    const int32_t* reps = &rep_[e * F_];
+    for (int32_t i = 0; i < rep_count_[e]; ++i) has_[e * F_ + reps[i]] = 0;
+    rep_count_[e] = 0;
+  }
+  moves_.clear();
+}
+
+}  // namespace afore

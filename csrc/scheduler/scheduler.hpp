@@ -1,0 +1,116 @@
+// Algorithm 1 of the AFORE paper: the C++ production core.
+//
+// Same result as the Python reference afore/scheduler/algorithm.py on every input (all arrays
+// equal; gain and exposed cost computed by the same IEEE operations in the same order).
+// A Scheduler holds the scratch of one cluster shape (E experts, F workers, R redundant slots,
+// M_tile) so that a call allocates nothing on the heap: planning state lives in preallocated
+// arrays that are reset incrementally (only touched entries) at the end of each call.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace afore {
+
+struct ScheduleInputs {
+  const int64_t* demand;          // [E]
+  const int32_t* table_expert;    // [F, R], -1 = empty
+  const int64_t* table_last_used; // [F, R], -1 = never
+  const bool* protected_slots;    // [F, R]
+  const int32_t* prev_assignment; // [E, F] or nullptr
+  int64_t theta;                  // compactness threshold (tiles)
+  int64_t copy_budget;            // B
+  double beta_tile_ms;
+  double copy_ms;
+  double window_ms;
+  int64_t seq;
+};
+
+// Dense outputs, written in full by Scheduler::run.
+struct ScheduleOutputs {
+  bool* replicas;          // [E, F]
+  int32_t* assignment;     // [E, F]
+  int32_t* tiles;          // [E, F]
+  int32_t* slot;           // [E, F]
+  int32_t* tile_load;      // [F]
+  int32_t* new_expert;     // [F, R]
+  int64_t* new_last_used;  // [F, R]
+  int32_t* copies;         // [min(B, F*R), 4] capacity; num_copies rows written
+  int64_t num_copies = 0;
+  double gain_ms = 0.0;
+  double exposed_ms = 0.0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant_slots, int64_t m_tile);
+
+  int64_t num_experts() const { return E_; }
+  int64_t num_workers() const { return F_; }
+  int64_t redundant_slots() const { return R_; }
+  int64_t m_tile() const { return M_; }
+
+  // Validates the inputs (throws std::invalid_argument naming the field), then plans.
+  void run(const ScheduleInputs& in, ScheduleOutputs& out);
+
+ private:
+  struct Move {
+    int32_t expert, donor, receiver, slot, old_expert;
+    int64_t tiles;
+  };
+
+  void validate(const ScheduleInputs& in);
+  void initialize(const ScheduleInputs& in);
+  bool find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c, int64_t& q) const;
+  int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
+  bool find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& h, int32_t& c,
+                        int32_t& r, int64_t& q);
+  void move_tiles(int32_t e, int32_t h, int32_t c, int64_t q);
+  void add_tiles(int32_t e, int32_t w, int64_t n);
+  void add_replica(int32_t e, int32_t w);
+  void remove_replica(int32_t e, int32_t w);
+  void fix_order_after_decrease(int32_t w);
+  void fix_order_after_increase(int32_t w);
+  void write_outputs(const ScheduleInputs& in, ScheduleOutputs& out) const;
+  void reset();
+
+  // Scan orders: donors by (load desc, index asc), receivers by (load asc, index asc).
+  bool donor_before(int32_t a, int32_t b) const {
+    return load_[a] > load_[b] || (load_[a] == load_[b] && a < b);
+  }
+  bool receiver_before(int32_t a, int32_t b) const {
+    return load_[a] < load_[b] || (load_[a] == load_[b] && a < b);
+  }
+
+  int64_t E_, F_, R_, M_;
+  std::vector<int32_t> owner_;        // [E] primary worker
+  std::vector<int32_t> primary_slot_; // [E]
+  std::vector<int32_t> pcount_;       // [F] primaries per worker
+
+  std::vector<int64_t> k_;            // [E] tiles per expert
+  std::vector<int64_t> tiles_;        // [E*F] N, zero outside this call
+  std::vector<uint8_t> has_;          // [E*F] placement, zero outside this call
+  std::vector<int64_t> load_;         // [F] T
+  std::vector<int32_t> binding_;      // [F*R]
+  std::vector<uint8_t> reserved_;     // [F*R]
+
+  std::vector<int32_t> rep_count_;    // [E] replica workers of e (primary first, any order)
+  std::vector<int32_t> rep_;          // [E*F]
+  std::vector<int32_t> on_count_;     // [F] experts with tiles on w (any order)
+  std::vector<int32_t> on_;           // [F*E]
+  std::vector<int32_t> on_pos_;       // [E*F] index of e in on_[w], -1 if absent
+
+  std::vector<int32_t> donors_, receivers_;        // [F]
+  std::vector<int32_t> donor_pos_, receiver_pos_;  // [F]
+
+  std::vector<int32_t> safe_list_;    // [F] receivers with a safe slot, in receiver order
+  std::vector<int32_t> safe_slot_;    // [F]
+  std::vector<int64_t> copies_into_;  // [F]
+  std::vector<Move> moves_;           // capacity F*R
+  std::vector<int64_t> remainder_;    // [F] scratch for largest remainder
+  std::vector<int32_t> lr_workers_;   // [F]
+  std::vector<int64_t> seen_stamp_;   // [E] duplicate-binding check: stamp of (call, worker)
+  int64_t stamp_ = 0;
+};
+
+}  // namespace afore
