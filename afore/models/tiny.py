@@ -7,7 +7,7 @@ transformers model class of that architecture (random init under ``seed``), the 
 is a byte-level BPE trained here on a small built-in corpus (no hub access). ``afore serve``
 with no ``--model`` uses ``build_tiny_checkpoint("qwen3_moe")``.
 
-Shapes (every architecture): hidden 64, 3 decoder layers, 4 heads, 8-16 routed experts of
+Shapes (every architecture): hidden 64, 3 decoder layers, 2 heads of 32 (1 KV head), 8-16 routed experts of
 intermediate size 32, top-k 2-4, vocab = the trained tokenizer's size (~1k). DeepSeek-V2/V3
 and GLM-4.5 keep layer 0 dense (``first_k_dense_replace=1``) and have one shared expert;
 DeepSeek-V3 uses grouped top-k (16 experts in 4 groups, 2 groups kept) with a random
@@ -41,7 +41,7 @@ from typing import Any, Iterator
 
 from afore.models.spec import ARCHITECTURES
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 MARKER = "afore-tiny.json"
 DEFAULT_ARCH = "qwen3_moe"
 
@@ -55,8 +55,8 @@ _COMMON: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,          # dense MLP layers (first_k_dense_replace)
     num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,          # head_dim 32: the smallest the vLLM CPU attention backend supports
+    num_key_value_heads=1,
     max_position_embeddings=2048,
     initializer_range=0.1,          # wider than the default so greedy ties and routing ties are rare
     rms_norm_eps=1e-6,
@@ -66,27 +66,27 @@ _COMMON: dict[str, Any] = dict(
 
 _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
-        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
     ),
     "mixtral": dict(
-        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
     ),
     "deepseek_v2": dict(
-        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax",
         n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
     ),
     "deepseek_v3": dict(
-        num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+        num_key_value_heads=2, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
         num_nextn_predict_layers=0,
     ),
     "glm4_moe": dict(
-        head_dim=16, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+        head_dim=32, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=0,
     ),
