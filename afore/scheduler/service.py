@@ -1,0 +1,260 @@
+"""The scheduler service: demand mailbox -> placement policy -> plan ring.
+
+A loop in the nano-vllm style: wait for the next complete target, plan it with the configured
+policy, publish the plan once, record metrics. A target whose demand is incomplete by its
+deadline gets no plan (the FFN workers run it primary-only) and is counted as a miss.
+
+The service owns both segments: it creates them at start (replacing stale ones of a crashed
+run) and unlinks them at stop, including on SIGINT/SIGTERM. Started by ``afore serve`` through
+``start_scheduler_process`` (or in-process with ``SchedulerService(...).start_thread()``), or
+alone with ``afore scheduler``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+
+from afore import _shm
+from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.prefetch.mailbox import DemandMailbox
+from afore.prefetch.receiver import DemandReceiver
+from afore.scheduler.metrics import SchedulerMetrics
+from afore.scheduler.plan import Plan, Target, primary_only_plan
+from afore.scheduler.plan_ring import PlanRing, PublishTimeout
+
+log = logging.getLogger(__name__)
+
+
+class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything the scheduler service needs; validated at construction.
+
+    Names are /dev/shm segment names. ``deadline_ms``: a target still incomplete this long after
+    its first demand report gets no plan. ``listen``: "host:port" of the demand receiver for
+    remote attention workers ("" = none; needs ``token``). ``metrics_port``: Prometheus HTTP
+    port (-1 = off, 0 = any free port). ``spin_us``: busy-poll the mailbox this long before
+    sleeping (lower latency, costs a core).
+    """
+
+    shape: ClusterShape
+    policy: str = "afore"
+    mailbox: str = "afore-mailbox"
+    ring: str = "afore-plans"
+    num_producers: int = 1
+    num_microbatches: int = 2
+    mailbox_capacity: int = 256
+    ring_slots: int = 16
+    deadline_ms: float = 50.0
+    liveness_timeout_s: float = 1.0
+    pid_check: bool = True
+    spin_us: float = 0.0
+    listen: str = ""
+    token: str = ""
+    metrics_port: int = -1
+    params: SchedulerParams = SchedulerParams()
+    cost: CostModel = CostModel()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_producers <= 64:
+            raise ValueError(f"num_producers: expected in [1, 64], got {self.num_producers}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches: expected >= 1, got {self.num_microbatches}")
+        if not self.deadline_ms >= 0:
+            raise ValueError(f"deadline_ms: expected >= 0, got {self.deadline_ms}")
+        if not self.spin_us >= 0:
+            raise ValueError(f"spin_us: expected >= 0, got {self.spin_us}")
+        if self.listen and not self.token:
+            raise ValueError("token: expected a shared token when listen is set")
+        if self.listen and ":" not in self.listen:
+            raise ValueError(f"listen: expected host:port, got {self.listen!r}")
+        if self.mailbox == self.ring:
+            raise ValueError("ring: expected a segment name different from mailbox")
+
+
+class _PrimaryOnlyPolicy:
+    """Used only while ``afore.scheduler.policies.make_policy`` is not available in this build."""
+
+    def __init__(self, shape: ClusterShape):
+        self.shape = shape
+
+    def plan(self, obs) -> Plan:
+        return primary_only_plan(self.shape, obs.demand, obs.target, obs.seq)
+
+
+def make_service_policy(name: str, shape: ClusterShape, params: SchedulerParams, cost: CostModel):
+    """(policy, observation type): the registry's policy, or primary-only if the registry is absent."""
+    try:
+        from afore.scheduler import policies
+        make_policy, observation = policies.make_policy, policies.Observation
+    except (ImportError, AttributeError):
+        log.warning("afore.scheduler.policies.make_policy is not available: planning primary-only")
+        from collections import namedtuple
+        return _PrimaryOnlyPolicy(shape), namedtuple("Observation", "target seq demand")
+    return make_policy(name, shape, params, cost), observation
+
+
+class SchedulerService:
+    """Owns the mailbox and the plan ring; ``run`` loops until ``stop``."""
+
+    def __init__(self, config: ServiceConfig, policy=None):
+        self.config = config
+        c = config
+        self.policy, self._observation = (policy, _default_observation()) if policy is not None else \
+            make_service_policy(c.policy, c.shape, c.params, c.cost)
+        self.mailbox = DemandMailbox.create(c.mailbox, c.shape, c.num_producers, c.num_microbatches,
+                                            c.mailbox_capacity, c.deadline_ms / 1e3)
+        try:
+            self.ring = PlanRing.create(c.ring, c.shape, c.shape.num_workers, c.ring_slots, c.liveness_timeout_s, c.pid_check)
+        except BaseException:
+            self.mailbox.close()
+            raise
+        self.metrics = SchedulerMetrics(c.mailbox, c.ring)
+        self.metrics_port: int | None = None
+        self.receiver: DemandReceiver | None = None
+        self._receiver_mailbox: DemandMailbox | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.published = 0
+        self.missed = 0
+        self._closed = False
+
+    # ---- lifecycle
+    def start_endpoints(self) -> None:
+        """Start the metrics HTTP server and the demand receiver, as configured."""
+        c = self.config
+        if c.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(c.metrics_port)
+        if c.listen:
+            host, port = c.listen.rsplit(":", 1)
+            self._receiver_mailbox = DemandMailbox.attach(c.mailbox)
+            self.receiver = DemandReceiver(self._receiver_mailbox, c.token, host, int(port),
+                                           on_outcome=lambda o: self.metrics.receiver_messages.labels(o).inc())
+            self.receiver.start()
+
+    def run(self, max_targets: int | None = None) -> None:
+        """Serve until ``stop()`` (or SIGINT/SIGTERM when run in the main thread); then close."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            self.start_endpoints()
+            done = 0
+            while not self._stop.is_set() and (max_targets is None or done < max_targets):
+                done += self.step()
+        finally:
+            self.close()
+
+    def start_thread(self) -> "SchedulerService":
+        """Run the loop in a daemon thread of this process (``stop()`` ends it and closes)."""
+        self._thread = threading.Thread(target=self.run, name="afore-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def close(self) -> None:
+        """Stop the endpoints and unlink both segments (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.receiver is not None:
+            self.receiver.stop()
+        if self._receiver_mailbox is not None:
+            self._receiver_mailbox.close()
+        self.metrics.shutdown()
+        self.ring.close()
+        self.mailbox.close()
+
+    # ---- one iteration
+    def step(self, timeout_s: float = 0.05) -> int:
+        """Plan and publish at most one target; returns the number of plans published (0 or 1)."""
+        got = self.mailbox.wait_complete(timeout_s, self.config.spin_us * 1e-6)
+        self._count_misses()
+        self._record_copy_latency()
+        if got is None:
+            return 0
+        t0 = time.perf_counter()
+        plan = self.policy.plan(self._observation(got.target, got.seq, got.demand))
+        self.metrics.policy_latency.observe(time.perf_counter() - t0)
+        if plan.seq != got.seq or plan.target != got.target:
+            raise RuntimeError(f"policy {self.config.policy}: plan for seq {plan.seq} {plan.target}, asked {got.seq} {got.target}")
+        try:
+            self.ring.publish(plan, timeout_s=self.config.liveness_timeout_s * 2 + 1.0)
+        except PublishTimeout as exc:
+            log.warning("%s", exc)
+            self.metrics.misses.labels("publish_timeout").inc()
+            self.missed += 1
+            return 0
+        written_ns, complete_ns = self.mailbox.last_stamps
+        self.metrics.publish_latency.observe((_shm.monotonic_ns() - complete_ns) * 1e-9)
+        self.metrics.plans.inc()
+        self.published += 1
+        return 1
+
+    def _count_misses(self) -> None:
+        for missed in self.mailbox.take_missed():
+            self.metrics.misses.labels(missed.reason).inc()
+            self.missed += 1
+
+    def _record_copy_latency(self) -> None:
+        for _seq, published_ns, copied_ns, readers_copied, readers_live in self.ring.collect_latencies():
+            if readers_copied and readers_copied >= readers_live:
+                self.metrics.copy_latency.observe((copied_ns - published_ns) * 1e-9)
+
+
+def _default_observation():
+    try:
+        from afore.scheduler.policies import Observation
+        return Observation
+    except ImportError:
+        from collections import namedtuple
+        return namedtuple("Observation", "target seq demand")
+
+
+def scheduler_command(config: ServiceConfig) -> list[str]:
+    """The ``afore scheduler`` command line equivalent to ``config``."""
+    return [sys.executable, "-m", "afore.cli", "scheduler", "--config-json", msgspec.json.encode(config).decode()]
+
+
+def start_scheduler_process(config: ServiceConfig, ready_timeout_s: float = 30.0, **popen) -> subprocess.Popen:
+    """Start ``afore scheduler`` as a child process and wait until both segments are ready.
+
+    Stop it with ``proc.terminate()`` (SIGTERM): it unlinks its segments before exiting.
+    """
+    proc = subprocess.Popen(scheduler_command(config), **popen)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"afore scheduler exited with {proc.returncode} before it was ready")
+        if all(_ready(name, proc.pid) for name in (config.mailbox, config.ring)):
+            return proc
+        time.sleep(0.02)
+    proc.terminate()
+    raise TimeoutError(f"afore scheduler: segments not ready after {ready_timeout_s} s")
+
+
+def _ready(name: str, pid: int) -> bool:
+    try:
+        info = _shm.inspect(name)
+    except ValueError:
+        return False
+    return info["state"] == "ready" and info["owner_pid"] == pid
+
+
+def target_of(seq: int, config: ServiceConfig) -> Target:
+    """The target of sequence number ``seq`` under ``config``."""
+    from afore.prefetch.mailbox import seq_target
+    return seq_target(seq, config.shape.num_layers, config.num_microbatches)
+
+
+__all__ = ["ServiceConfig", "SchedulerService", "start_scheduler_process", "scheduler_command", "make_service_policy",
+           "target_of"]
