@@ -1,0 +1,152 @@
+"""Remote-FFN MoE layer for the attention role.
+
+vLLM's MoE runner keeps the gate, computes the routing once with the model's
+own router and runs the shared experts; :class:`RemoteRoutedExperts` replaces
+only the routed-expert part:
+
+1. split the layer call's tokens into ``microbatches`` contiguous targets
+   (every target exists on every attention worker, possibly empty, so the FFN
+   side and the scheduler see the same target sequence from all A workers);
+2. count the demand of each target on the device (``torch.bincount``, no host
+   sync) and hand it to the demand path;
+3. post every target on the A2F path before waiting for any, so at least two
+   targets are in flight at the FFN side;
+4. gather the F2A partials and return their sum.
+
+Routed-expert weights are not created and checkpoint tensors for them are
+dropped at load: they live on the FFN workers.
+
+Targets: ``step`` counts forward passes of this engine (every data-parallel
+rank runs the same passes, dummy ones included), ``layer`` is the MoE layer's
+position, ``seq = (step * L + layer) * M + microbatch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from afore.attention import role as role_
+from afore.attention import vllm_compat
+from afore.attention.demand import DemandEmitter
+from afore.serve.ffn_link import AttentionLink
+
+log = logging.getLogger("afore.attention")
+
+_RoutedExperts, _FusedMoEMethodBase = vllm_compat.routed_experts_base()
+
+
+class ForwardCounter:
+    """Per-process forward-pass counter and the A2F link, shared by all MoE layers."""
+
+    def __init__(self, cfg: role_.AttentionRoleConfig, worker: int):
+        self.cfg = cfg
+        self.step = -1
+        self.worker = worker
+        if not 0 <= self.worker < cfg.attn_workers:
+            raise ValueError(f"data_parallel_rank: expected in [0, {cfg.attn_workers}) (attn_workers), got {self.worker}")
+        self._link: AttentionLink | None = None
+        self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker)
+
+    @property
+    def link(self) -> AttentionLink:
+        if self._link is None:
+            self._link = AttentionLink(self.worker, self.cfg.attn_endpoints[self.worker], self.cfg.ffn_endpoints,
+                                       self.cfg.ffn_pids, self.cfg.exchange_timeout_s)
+        return self._link
+
+    def seq(self, layer: int, microbatch: int) -> int:
+        return (self.step * len(self.cfg.moe_layers) + layer) * self.cfg.microbatches + microbatch
+
+
+_state: ForwardCounter | None = None
+_state_lock = threading.Lock()
+_layers: dict[str, "RemoteRoutedExperts"] = {}
+
+
+def _counter(worker: int) -> ForwardCounter:
+    global _state
+    with _state_lock:
+        if _state is None:
+            _state = ForwardCounter(role_.load_from_env(), worker)
+        return _state
+
+
+class RemoteExpertsMethod(_FusedMoEMethodBase):
+    """A modular 'quant method' with no weights: routing stays vLLM's, compute is remote."""
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs) -> None:
+        return None
+
+    def get_fused_moe_quant_config(self, layer):
+        return vllm_compat.unquantized_moe_config()
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return torch.ops.afore.remote_experts(x, topk_weights, topk_ids, layer.layer_name)
+
+
+class RemoteRoutedExperts(_RoutedExperts):
+    """vLLM ``RoutedExperts`` whose experts run on the FFN pool (registered out of tree)."""
+
+    def __init__(self, layer_name: str, *args, **kwargs):
+        super().__init__(layer_name, *args, **kwargs)
+        if self.apply_router_weight_on_input:
+            raise ValueError(f"{layer_name}: apply_router_weight_on_input models are not supported by the remote FFN path")
+        cfg = role_.load_from_env()
+        index = vllm_compat.layer_index(layer_name)
+        if index not in cfg.moe_layers:
+            raise ValueError(f"{layer_name}: layer {index} is not in moe_layers {cfg.moe_layers} of AFORE_CONFIG")
+        if self.global_num_experts != cfg.num_experts:
+            raise ValueError(f"{layer_name}: num_experts: AFORE_CONFIG says {cfg.num_experts}, the model {self.global_num_experts}")
+        self.moe_position = cfg.moe_layers.index(index)
+        self.attn_worker = vllm_compat.data_parallel_rank()  # the vLLM config is only current at build time
+        _layers[layer_name] = self
+
+    def _get_quant_method(self, prefix, quant_config, moe_config):
+        if quant_config is not None:
+            raise ValueError(f"{prefix}: quantized checkpoints are not supported on the remote FFN path yet")
+        return RemoteExpertsMethod(moe_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str]:
+        for _name, _tensor in weights:  # routed experts live on the FFN workers
+            pass
+        return iter(())
+
+    def remote_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        state = _counter(self.attn_worker)
+        cfg = state.cfg
+        if self.moe_position == 0:
+            state.step += 1
+        n = x.shape[0]
+        bounds = [n * m // cfg.microbatches for m in range(cfg.microbatches + 1)]
+        link = state.link
+        for m in range(cfg.microbatches):
+            lo, hi = bounds[m], bounds[m + 1]
+            ids = topk_ids[lo:hi]
+            seq = state.seq(self.moe_position, m)
+            state.demand.emit(state.step, self.moe_position, m, seq, ids)
+            link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
+        out = torch.empty_like(x)
+        for m in range(cfg.microbatches):
+            lo, hi = bounds[m], bounds[m + 1]
+            part = link.recv(state.seq(self.moe_position, m), hi - lo, x.shape[1], x.dtype)
+            out[lo:hi] = part.to(device=x.device, dtype=x.dtype)
+        return out
+
+
+@torch.library.custom_op("afore::remote_experts", mutates_args=())
+def remote_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """Opaque to torch.compile: the exchange is I/O with the FFN pool."""
+    return _layers[layer_name].remote_forward(x, topk_weights, topk_ids)
+
+
+@remote_experts.register_fake
+def _(x, topk_weights, topk_ids, layer_name):
+    return torch.empty_like(x)
