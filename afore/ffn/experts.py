@@ -34,6 +34,8 @@ def grouped_expert_mlp(x: torch.Tensor, pair_token: torch.Tensor, pair_slot: tor
 
     x: [N, H]; pair_token, pair_slot: int64[P]; pair_weight: fp32[P];
     w13: [K, 2I, H]; w2: [K, H, I] (same dtype as x). Returns [N, H] in x.dtype.
+    Pairs whose slot is outside [0, K) are skipped (another worker's pairs, kept in the
+    list so that the partition needs no host sync).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -58,6 +60,9 @@ def _torch_grouped(x, pair_token, pair_slot, pair_weight, w13, w2):
     n, h = x.shape
     inter = w2.shape[2]
     out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    keep = (pair_slot >= 0) & (pair_slot < w13.shape[0])
+    if not bool(keep.all()):
+        pair_token, pair_slot, pair_weight = pair_token[keep], pair_slot[keep], pair_weight[keep]
     if pair_token.numel() == 0:
         return out.to(x.dtype)
     order = torch.sort(pair_slot, stable=True).indices
@@ -90,23 +95,29 @@ def triton_available() -> bool:
 def align_pairs_to_tiles(pair_slot: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort pairs by slot and pad every slot's run to a multiple of ``block_m``.
 
-    Sizes are the static upper bound P + K*(block_m - 1) so that no host sync is needed.
+    Pairs with a slot outside [0, num_slots) are dropped. Sizes are the static upper bound
+    P + K*(block_m - 1) so that no host sync is needed.
     Returns (sorted_pair int64[num_blocks*block_m], pad value P; block_slot int32[num_blocks], -1 = unused block).
     """
     p = pair_slot.numel()
     device = pair_slot.device
     slot = pair_slot.long()
-    counts = torch.bincount(slot, minlength=num_slots)
+    slot = torch.where((slot >= 0) & (slot < num_slots), slot, num_slots)  # bin K = dropped
+    counts = torch.bincount(slot, minlength=num_slots + 1)[:num_slots]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     run_start = torch.cumsum(counts, 0) - counts
     order = torch.sort(slot, stable=True).indices
     slot_sorted = slot[order]
-    pos = padded_start[slot_sorted] + torch.arange(p, device=device) - run_start[slot_sorted]
+    kept = slot_sorted < num_slots
+    slot_kept = slot_sorted.clamp(max=num_slots - 1)
+    pos = padded_start[slot_kept] + torch.arange(p, device=device) - run_start[slot_kept]
     num_blocks = (p + num_slots * (block_m - 1) + block_m - 1) // block_m
-    sorted_pair = torch.full((num_blocks * block_m,), p, dtype=torch.int64, device=device)
-    sorted_pair[pos] = order
+    sorted_pair = torch.full((num_blocks * block_m + 1,), p, dtype=torch.int64, device=device)
+    # dropped pairs are written to the spare last element, which no block reads
+    sorted_pair[torch.where(kept, pos, num_blocks * block_m)] = order
+    sorted_pair = sorted_pair[:-1]
     block_first_row = torch.arange(num_blocks, device=device) * block_m
     block_slot = torch.searchsorted(padded_end, block_first_row, right=True)
     block_slot = torch.where(block_slot < num_slots, block_slot, torch.full_like(block_slot, -1)).to(torch.int32)
@@ -126,7 +137,7 @@ def _triton_grouped(x, pair_token, pair_slot, pair_weight, w13, w2, block_m):
     sorted_pair, block_slot = align_pairs_to_tiles(pair_slot, k_slots, block_m)
     num_blocks = block_slot.numel()
     act = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(p, h, dtype=torch.float32, device=x.device)
+    y = torch.zeros(p, h, dtype=torch.float32, device=x.device)  # skipped pairs add zero
     kernels.gate_up_silu(x, pair_token, sorted_pair, block_slot, w13, act, p, block_m)
     kernels.down_weighted(act, sorted_pair, block_slot, pair_weight, w2, y, p, block_m)
     out.index_add_(0, pair_token, y)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from afore.ffn.experts import grouped_expert_mlp
-from afore.ffn.partition import worker_pairs
+from afore.ffn.partition import worker_mask
 from afore.migrator.slot_pool import SlotPool
 from afore.scheduler.plan import Plan
 
@@ -53,10 +53,12 @@ class FFNLayer:
         slot_of_expert = torch.as_tensor(plan.slot[:, worker], dtype=torch.int64, device=device)
         k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1).long()
-        pairs = worker_pairs(topk_ids, assignment, self._owner, worker)
-        pair_token = torch.div(pairs, k, rounding_mode="floor")
-        pair_slot = slot_of_expert[flat_ids[pairs]]
-        pair_weight = topk_weights.reshape(-1)[pairs].float()
+        mine = worker_mask(topk_ids, assignment, self._owner, worker)
+        # Every pair stays in the list (no host sync); other workers' pairs get slot -1 and
+        # are skipped by the grouped GEMM.
+        pair_token = torch.arange(flat_ids.numel(), device=device) // k
+        pair_slot = torch.where(mine, slot_of_expert[flat_ids], -1)
+        pair_weight = topk_weights.reshape(-1).float()
         return grouped_expert_mlp(hidden, pair_token, pair_slot, pair_weight, self.pool.w13, self.pool.w2,
                                   backend=self.backend, block_m=self.block_m)
 

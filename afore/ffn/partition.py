@@ -57,16 +57,23 @@ def ordinal_intervals(assignment: torch.Tensor, primary_owner: torch.Tensor) -> 
     return lo, hi
 
 
-def worker_pairs(topk_ids: torch.Tensor, assignment: torch.Tensor, primary_owner: torch.Tensor,
-                 worker: int) -> torch.Tensor:
-    """Indices (into the flattened [N*k] pairs) that ``worker`` executes, in routing order.
+def worker_mask(topk_ids: torch.Tensor, assignment: torch.Tensor, primary_owner: torch.Tensor,
+                worker: int) -> torch.Tensor:
+    """bool[N*k]: which of the flattened pairs ``worker`` executes (no host sync).
 
     topk_ids: int[N, k]; assignment: int[E, F]; primary_owner: int64[E] (same device).
-    Returns int64[P_w].
     """
     num_experts = assignment.shape[0]
     flat = topk_ids.reshape(-1).long()
     ordinals = pair_ordinals(flat, num_experts)
     lo, hi = ordinal_intervals(assignment, primary_owner)
-    mine = (ordinals >= lo[flat, worker]) & (ordinals < hi[flat, worker])
-    return torch.nonzero(mine).squeeze(1)
+    return (ordinals >= lo[flat, worker]) & (ordinals < hi[flat, worker])
+
+
+def worker_pairs(topk_ids: torch.Tensor, assignment: torch.Tensor, primary_owner: torch.Tensor,
+                 worker: int) -> torch.Tensor:
+    """Indices (into the flattened [N*k] pairs) that ``worker`` executes, in routing order.
+
+    Returns int64[P_w] (syncs with the host for the count; the hot path uses ``worker_mask``).
+    """
+    return torch.nonzero(worker_mask(topk_ids, assignment, primary_owner, worker)).squeeze(1)

@@ -52,7 +52,7 @@ def test_triton_kernel_matches_torch_in_interpreter():
         torch.manual_seed(0)
         for n, h, inter, k, p, bm in [(13, 96, 80, 5, 30, 16), (3, 64, 64, 3, 7, 16), (20, 40, 24, 4, 50, 32)]:
             x = torch.randn(n, h); w13 = torch.randn(k, 2 * inter, h) / 8; w2 = torch.randn(k, h, inter) / 8
-            tok = torch.randint(0, n, (p,)); slot = torch.randint(0, k, (p,)); wt = torch.rand(p)
+            tok = torch.randint(0, n, (p,)); slot = torch.randint(-1, k + 1, (p,)); wt = torch.rand(p)
             ref = grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend="torch")
             out = grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend="triton", block_m=bm)
             err = float((out - ref).norm() / ref.norm())
@@ -62,3 +62,15 @@ def test_triton_kernel_matches_torch_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+def test_pairs_outside_the_slot_range_are_skipped():
+    x = torch.randn(5, 8)
+    w13, w2 = torch.randn(3, 6, 8), torch.randn(3, 8, 3)
+    tok = torch.tensor([0, 1, 2, 3, 4])
+    slot = torch.tensor([0, -1, 2, 3, 1])
+    wt = torch.rand(5)
+    out = grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend="torch")
+    keep = torch.tensor([0, 2, 4])
+    ref = grouped_expert_mlp(x, tok[keep], slot[keep], wt[keep], w13, w2, backend="torch")
+    assert torch.equal(out, ref) and torch.equal(out[1], torch.zeros(8)) and torch.equal(out[3], torch.zeros(8))
