@@ -140,7 +140,7 @@ nb::dict inspect(const std::string& name) {
       rd["pid"] = pid;
       rd["alive"] = s == kLive && pid_alive(pid);
       rd["heartbeat_age_s"] = double(now - std::min(now, rec->heartbeat_ns.load())) * 1e-9;
-      rd["lag"] = written > next ? written - next : 0;
+      rd["lag"] = s == kLive && written > next ? written - next : 0;
       rd["copied"] = rec->copied.load();
       rd["stale_skipped"] = rec->stale_skipped.load();
       rd["missed"] = rec->missed.load();

@@ -217,6 +217,8 @@ bool MailboxProducer::put(int64_t step, int32_t layer, int32_t microbatch, int32
                                 " (seq " + std::to_string(seq) + " after seq " + std::to_string(last) + ")");
   }
 
+  // The scheduler closed this segment (restart): report "not accepted" so the caller re-attaches.
+  if (seg_.header()->state.load(std::memory_order_acquire) != kReady) return false;
   uint64_t head = r->head.load(std::memory_order_relaxed);
   if (head - r->tail.load(std::memory_order_acquire) >= layout_.capacity) {
     uint64_t start = monotonic_ns();
