@@ -221,8 +221,8 @@ def _default_observation():
 
 
 def scheduler_command(config: ServiceConfig) -> list[str]:
-    """The ``afore scheduler`` command line equivalent to ``config``."""
-    return [sys.executable, "-m", "afore.cli", "scheduler", "--config-json", msgspec.json.encode(config).decode()]
+    """The ``afore scheduler`` command line equivalent to ``config`` (its light entry point)."""
+    return [sys.executable, "-m", "afore.scheduler.service_cli", "--config-json", msgspec.json.encode(config).decode()]
 
 
 def start_scheduler_process(config: ServiceConfig, ready_timeout_s: float = 30.0, **popen) -> subprocess.Popen:

@@ -84,3 +84,14 @@ def run(args: argparse.Namespace) -> int:
         service.close()
     log.info("stopped: %d plans published, %d targets missed; segments unlinked", service.published, service.missed)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m afore.scheduler.service_cli`` = ``afore scheduler`` without loading every other command."""
+    parser = argparse.ArgumentParser(prog="afore scheduler", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
