@@ -24,6 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from afore.ffn.partition import bin_counts
+
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -103,7 +105,7 @@ def align_pairs_to_tiles(pair_slot: torch.Tensor, num_slots: int, block_m: int) 
     device = pair_slot.device
     slot = pair_slot.long()
     slot = torch.where((slot >= 0) & (slot < num_slots), slot, num_slots)  # bin K = dropped
-    counts = torch.bincount(slot, minlength=num_slots + 1)[:num_slots]
+    counts = bin_counts(slot, num_slots + 1)[:num_slots]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded

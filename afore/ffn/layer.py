@@ -12,6 +12,7 @@ The sum of the partial outputs over all F workers equals the monolithic MoE laye
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from afore.ffn.experts import grouped_expert_mlp
@@ -49,8 +50,9 @@ class FFNLayer:
         if worker != self.pool.worker:
             raise ValueError(f"worker: expected {self.pool.worker} (this layer's pool), got {worker}")
         device = self.pool.device
-        assignment = torch.as_tensor(plan.assignment, device=device)
-        slot_of_expert = torch.as_tensor(plan.slot[:, worker], dtype=torch.int64, device=device)
+        # Small host arrays: non_blocking keeps the host ahead of the GPU (no stream sync).
+        assignment = torch.from_numpy(plan.assignment).to(device, non_blocking=True)
+        slot_of_expert = torch.from_numpy(plan.slot[:, worker].astype(np.int64)).to(device, non_blocking=True)
         k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1).long()
         mine = worker_mask(topk_ids, assignment, self._owner, worker)

@@ -29,12 +29,19 @@ def pair_ordinals(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """
     ids = flat_ids.long()
     order = torch.sort(ids, stable=True).indices
-    counts = torch.bincount(ids, minlength=num_experts)
+    counts = bin_counts(ids, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_sorted = torch.arange(ids.numel(), device=ids.device) - starts[ids[order]]
     ordinals = torch.empty_like(rank_in_sorted)
     ordinals[order] = rank_in_sorted
     return ordinals
+
+
+def bin_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int64[num_bins]: occurrences of each id in [0, num_bins). Unlike ``torch.bincount``
+    on CUDA this never synchronises with the host (bincount reads the maximum first)."""
+    ids = ids.long()
+    return torch.zeros(num_bins, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
 
 
 def ordinal_intervals(assignment: torch.Tensor, primary_owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,627 @@
+"""``afore bench migration``: expert copy cost, copy/compute overlap and grouped-GEMM time.
+
+Parts (all on the GPU when one is present; ``--device cpu`` runs the same code at small
+sizes with the CPU engines, as a smoke test of the pipeline):
+
+  kernels  Triton grouped GEMM vs the torch backend (bf16 error), grouped GEMM vs a loop of
+           per-expert ``torch.matmul`` at decode-size loads, and beta_tile: the slope of the
+           grouped GEMM's time over the number of M tiles (the scheduler's cost model).
+  copies   one-sided pulls of expert weights from a peer process's slot pool (CUDA IPC on
+           the second GPU: NVLink P2P), single and batched, per model expert shape, against
+           the 450 GB/s NVLink peak and the measured large-copy rate (1 GiB pull).
+  overlap  slowdown of the grouped GEMM while copies run on the side stream.
+  replay   two FFN worker processes (one per GPU) replay a routing trace: plans from
+           Algorithm 1 (``afore.scheduler.algorithm``), copies by the migrator into reserved
+           slots while the previous target computes; per target raw copy time, exposed wait
+           and lookahead window.
+With one GPU, copies/overlap use a second pool on the same GPU and the replay is skipped.
+
+Writes ``<name>.json`` (with the top-level ``cost_model`` that ``afore.scheduler.cost``
+reads), ``<name>.md`` and ``<name>.png`` under ``--out-dir`` (default bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.ffn.experts import grouped_expert_mlp, triton_available
+from afore.ffn.layer import FFNLayer
+from afore.migrator.copy_engine import CopyJob, make_copy_engine
+from afore.migrator.migrator import Migrator, PoolSource
+from afore.migrator.peers import export_tensors, open_tensors
+from afore.migrator.slot_pool import SlotPool
+
+NVLINK_PEAK_GBPS = 450.0  # H200 NVLink 4, one direction
+
+#: name -> (hidden H, expert intermediate I, experts E, top_k)
+MODEL_SHAPES = {
+    "GLM-4.5-Air": (4096, 1408, 128, 8),
+    "Qwen3-30B-A3B": (2048, 768, 128, 8),
+    "DeepSeek-V2-Lite": (2048, 1408, 64, 6),
+    "DeepSeek-V3": (7168, 2048, 256, 8),
+}
+COST_MODEL_SHAPE = "Qwen3-30B-A3B"  # the expert shape the committed cost model describes
+CPU_SHAPES = {"tiny-a": (256, 128, 16, 4), "tiny-b": (128, 96, 8, 2)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--out-dir", default=None, help="directory of the report (default bench/results/)")
+    parser.add_argument("--name", default=None, help="report name (default migration, or migration_1gpu with one GPU)")
+    parser.add_argument("--parts", default="kernels,copies,overlap,replay", help="comma-separated subset of the parts")
+    parser.add_argument("--workers-per-model", type=int, default=8, help="F used to size a worker's slots (E/F + R)")
+    parser.add_argument("--redundant-slots", type=int, default=4)
+    parser.add_argument("--replay-steps", type=int, default=24)
+    parser.add_argument("--replay-layers", type=int, default=4)
+    parser.add_argument("--replay-tokens", type=int, default=256, help="tokens per microbatch in the replay")
+    parser.add_argument("--trace", default=None, help="routing trace (.npz, afore trace format); default: synthetic Qwen3-30B-A3B")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall time of ``fn()`` in ms (CUDA events on the current stream on GPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    slope, intercept = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
+    return float(slope), float(intercept)
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+def _decode_load(pairs: int, slots: int, rng: np.random.Generator, device, skew: float = 1.0):
+    """A worker's decode-size load: ``pairs`` pairs over ``slots`` slots, Zipf-skewed."""
+    p = 1.0 / np.arange(1, slots + 1) ** skew
+    slot = rng.choice(slots, size=pairs, p=p / p.sum())
+    n = max(1, pairs)
+    tok = rng.integers(0, n, size=pairs)
+    return (torch.as_tensor(tok, device=device), torch.as_tensor(slot, device=device),
+            torch.as_tensor(rng.random(pairs), dtype=torch.float32, device=device), n)
+
+
+def bench_kernels(shapes: dict, args, device: torch.device, dtype: torch.dtype, rng) -> dict:
+    out = {"check": [], "grouped_vs_loop": [], "beta_tile": {}}
+    backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    loads = [8, 32, 128, 512, 2048] if device.type == "cuda" else [8, 32]
+    for name, (h, inter, e, k) in tqdm(shapes.items(), desc="kernels", file=sys.stdout):
+        slots = e // args.workers_per_model + args.redundant_slots
+        w13 = torch.randn(slots, 2 * inter, h, device=device, dtype=dtype) / h ** 0.5
+        w2 = torch.randn(slots, h, inter, device=device, dtype=dtype) / inter ** 0.5
+        # correctness against the fp32 torch path on fresh inputs, output poisoned first
+        tok, slot, wt, n = _decode_load(96, slots, rng, device)
+        x = torch.randn(n, h, device=device, dtype=dtype)
+        ref = grouped_expert_mlp(x.float(), tok, slot, wt, w13.float(), w2.float(), backend="torch")
+        got = grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend)
+        err = float((got.float() - ref).norm() / ref.norm())
+        out["check"].append({"model": name, "backend": backend, "rel_error": err, "nan": bool(torch.isnan(got).any())})
+        for pairs in loads:
+            tok, slot, wt, n = _decode_load(pairs, slots, rng, device)
+            x = torch.randn(n, h, device=device, dtype=dtype)
+            t_grouped = time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend), device)
+            t_loop = time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend="torch"), device)
+            out["grouped_vs_loop"].append({"model": name, "slots": slots, "pairs": pairs, "grouped_ms": t_grouped,
+                                           "loop_ms": t_loop, "speedup": t_loop / t_grouped})
+        # beta_tile: full tiles of m_tile pairs spread round-robin over the slots
+        m = 16
+        tiles_list = [slots, 2 * slots, 4 * slots, 8 * slots] if device.type == "cuda" else [slots, 2 * slots]
+        times = []
+        for tiles in tiles_list:
+            slot = torch.arange(tiles, device=device).repeat_interleave(m) % slots
+            tok = torch.arange(tiles * m, device=device)
+            wt = torch.rand(tiles * m, device=device)
+            x = torch.randn(tiles * m, h, device=device, dtype=dtype)
+            times.append(time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend, block_m=m), device))
+        slope, intercept = _fit_line(tiles_list, times)
+        out["beta_tile"][name] = {"tiles": tiles_list, "ms": times, "beta_tile_ms": slope, "intercept_ms": intercept}
+        del w13, w2
+    return out
+
+
+# ---------------------------------------------------------------------------- peer process
+
+
+def _source_pools(shapes: dict, experts: int, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pools = {}
+    for name, (h, inter, _, _) in shapes.items():
+        pools[name] = (torch.randn(experts, 2 * inter, h, device=device, dtype=dtype, generator=gen),
+                       torch.randn(experts, h, inter, device=device, dtype=dtype, generator=gen))
+    return pools
+
+
+# ---------------------------------------------------------------------------- copies, overlap
+
+
+def bench_copies(shapes: dict, src_pools: dict, big_src: torch.Tensor, device: torch.device,
+                 dtype: torch.dtype, cross: bool) -> dict:
+    engine = make_copy_engine(device)
+    stream = getattr(engine, "stream", None)
+
+    def timed_batch(jobs: list[CopyJob], reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = engine.mark() if stream is None else None
+            batch = engine.submit(jobs, [])
+            engine.wait(batch)
+            _sync(device)
+            if stream is None:
+                times.append((batch.end - batch.start) * 1e3)
+            else:
+                times.append(batch.start.elapsed_time(batch.end))
+            del t0
+        return statistics.median(times)
+
+    big_dst = torch.empty_like(big_src, device=device)
+    big_job = CopyJob(big_dst, big_dst[:0], big_src, big_src[:0])
+    timed_batch([big_job], 2)
+    big_ms = timed_batch([big_job], 5)
+    large_rate = big_src.numel() / (big_ms * 1e-3) / 1e9
+    rows = []
+    batch_sizes = [1, 2, 4, 8, 16] if device.type == "cuda" else [1, 2, 4]
+    for name, (src13, src2) in tqdm(src_pools.items(), desc="copies", file=sys.stdout):
+        h, inter = src2.shape[1], src2.shape[2]
+        n_max = min(max(batch_sizes), src13.shape[0])
+        dst13 = torch.empty(n_max, 2 * inter, h, device=device, dtype=dtype)
+        dst2 = torch.empty(n_max, h, inter, device=device, dtype=dtype)
+        per_expert = 3 * h * inter * dst13.element_size()
+        for n in batch_sizes:
+            if n > n_max:
+                continue
+            jobs = [CopyJob(dst13[i], dst2[i], src13[i], src2[i]) for i in range(n)]
+            timed_batch(jobs, 2)
+            ms = timed_batch(jobs, 10)
+            gbps = n * per_expert / (ms * 1e-3) / 1e9
+            rows.append({"model": name, "experts": n, "bytes_per_expert": per_expert, "ms": ms, "ms_per_expert": ms / n,
+                         "gbps": gbps, "share_of_nvlink_peak": gbps / NVLINK_PEAK_GBPS, "share_of_large_copy": gbps / large_rate})
+        del dst13, dst2
+    del big_dst
+    return {"cross_device": cross, "large_copy_bytes": big_src.numel(), "large_copy_ms": big_ms,
+            "large_copy_gbps": large_rate, "nvlink_peak_gbps": NVLINK_PEAK_GBPS, "rows": rows}
+
+
+def bench_overlap(shapes: dict, src_pools: dict, args, device: torch.device, dtype: torch.dtype, rng) -> dict:
+    """Grouped-GEMM time alone vs while expert copies run back to back on the side stream."""
+    rows = []
+    backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    engine = make_copy_engine(device)
+    for name, (h, inter, e, k) in tqdm(shapes.items(), desc="overlap", file=sys.stdout):
+        src13, src2 = src_pools[name]
+        slots = e // args.workers_per_model + args.redundant_slots
+        w13 = torch.randn(slots, 2 * inter, h, device=device, dtype=dtype) / h ** 0.5
+        w2 = torch.randn(slots, h, inter, device=device, dtype=dtype) / inter ** 0.5
+        n_copy = min(8, src13.shape[0])
+        dst13 = torch.empty(n_copy, 2 * inter, h, device=device, dtype=dtype)
+        dst2 = torch.empty(n_copy, h, inter, device=device, dtype=dtype)
+        jobs = [CopyJob(dst13[i], dst2[i], src13[i], src2[i]) for i in range(n_copy)]
+        for pairs in ([128, 1024] if device.type == "cuda" else [32]):
+            tok, slot, wt, n = _decode_load(pairs, slots, rng, device)
+            x = torch.randn(n, h, device=device, dtype=dtype)
+            iters = 20
+
+            def compute():
+                for _ in range(iters):
+                    grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend)
+
+            alone = time_ms(compute, device, reps=7, warmup=2)
+            # keep the side stream busy for longer than the compute: enqueue copies first
+            copy_ms_est = max(alone, 0.1)
+            single = time_ms(lambda: engine.wait(engine.submit(jobs, [])), device, reps=3, warmup=1)
+            batches = max(1, int(3 * copy_ms_est / max(single, 1e-3)) + 1)
+
+            def compute_with_copies():
+                for _ in range(batches):
+                    engine.submit(jobs, [])
+                compute()
+
+            with_copies = time_ms(compute_with_copies, device, reps=7, warmup=1)
+            _sync(device)
+            rows.append({"model": name, "pairs": pairs, "iters": iters, "alone_ms": alone, "with_copies_ms": with_copies,
+                         "slowdown": with_copies / alone - 1.0, "copy_batches_in_flight": batches})
+        del w13, w2, dst13, dst2
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+def _replay_trace(cfg: dict):
+    from afore.traces.format import load_trace
+    from afore.traces.synthetic import SyntheticSpec, generate
+
+    if cfg.get("trace"):
+        trace = load_trace(cfg["trace"])
+        counts = trace.counts[: cfg["steps"], : cfg["layers"]]
+        return counts, trace.top_k, trace.hidden_size, trace.moe_intermediate_size, f"{trace.model} ({trace.source})"
+    h, inter, e, k = cfg["shape"]
+    spec = SyntheticSpec(num_experts=e, top_k=k, num_layers=cfg["layers"], steps=cfg["steps"], microbatches=2,
+                         tokens=cfg["tokens"], seed=cfg["seed"], hidden_size=h, moe_intermediate_size=inter)
+    trace = generate(spec)
+    return trace.counts, k, h, inter, f"{trace.model} ({trace.source})"
+
+
+def replay_plans(counts: np.ndarray, shape: ClusterShape, cost: CostModel, params: SchedulerParams) -> list:
+    """Algorithm 1 over a trace in FFN execution order, with per-layer state (table, U[t], A[t-1])."""
+    from afore.scheduler.algorithm import schedule
+    from afore.scheduler.plan import SlotTable, Target
+
+    steps, layers, microbatches, _ = counts.shape
+    state = {l: (SlotTable.empty(shape), np.zeros((shape.num_workers, shape.redundant_slots), bool), None) for l in range(layers)}
+    plans, seq = [], 0
+    for s in range(steps):
+        for l in range(layers):
+            for b in range(microbatches):
+                table, protected, prev = state[l]
+                plan, table = schedule(shape, counts[s, l, b], table, protected, prev, params, cost, Target(s, l, b), seq)
+                state[l] = (table, table.last_used == seq, plan.assignment)
+                plans.append(plan)
+                seq += 1
+    return plans
+
+
+def _replay_worker(worker: int, device: torch.device, cfg: dict, link) -> dict:
+    """One FFN worker of the replay: own pools, peer pools by IPC, migrator + grouped GEMM."""
+    counts, k, h, inter, source = _replay_trace(cfg)
+    steps, layers, microbatches, e = counts.shape
+    shape = ClusterShape(num_experts=e, num_workers=2, num_layers=layers, redundant_slots=cfg["redundant_slots"],
+                         m_tile=16, top_k=k)
+    cost = CostModel(**cfg["cost"])
+    plans = replay_plans(counts, shape, cost, SchedulerParams(theta=0, copy_budget=cfg["copy_budget"]))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(100 + worker)
+    pools = {}
+    for l in range(layers):
+        pool = SlotPool(shape, worker, h, inter, dtype=dtype, device=device)
+        pool.w13[: pool.num_primaries] = torch.randn(pool.num_primaries, 2 * inter, h, device=device, dtype=dtype, generator=gen) / h ** 0.5
+        pool.w2[: pool.num_primaries] = torch.randn(pool.num_primaries, h, inter, device=device, dtype=dtype, generator=gen) / inter ** 0.5
+        pools[l] = pool
+    peer_blobs = link.swap_pools({l: export_tensors(p.w13, p.w2) for l, p in pools.items()})
+    peer = {(l, 1 - worker): tuple(open_tensors(b)) for l, b in peer_blobs.items()}
+    source_pools = {**{(l, worker): p for l, p in pools.items()}, **peer}
+    migrator = Migrator(shape, worker, pools, make_copy_engine(device), PoolSource(shape, source_pools))
+    ffn = {l: FFNLayer(p) for l, p in pools.items()}
+    rng = np.random.default_rng(cfg["seed"] + 7)
+    inputs = []
+    for plan in plans:
+        ids = rng.permutation(np.repeat(np.arange(e), plan.demand)).reshape(-1, k)
+        n = ids.shape[0]
+        inputs.append((torch.randn(n, h, device=device, dtype=dtype),
+                       torch.as_tensor(ids, dtype=torch.int32, device=device),
+                       torch.rand(n, k, device=device)))
+    # warm-up: kernels compiled, allocator primed (no copies)
+    from afore.scheduler.plan import primary_only_plan
+    for l in range(layers):
+        warm = primary_only_plan(shape, plans[0].demand, plans[0].target, -1)
+        ffn[l](*inputs[0], warm)
+    _sync(device)
+    link.barrier()  # start together: both workers pull from each other
+    migrator.prepare(plans[0])
+    t0 = time.perf_counter()
+    for i, plan in enumerate(tqdm(plans, desc=f"replay worker {worker}", file=sys.stdout, disable=worker != 0)):
+        if i + 1 < len(plans):
+            migrator.prepare(plans[i + 1], expected_seq=plan.seq + 1)
+        migrator.commit(plan)
+        ffn[plan.target.layer](*inputs[i], plan)
+        migrator.release(plan)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    records = migrator.drain_records()
+    link.barrier()  # the peer may still pull from our pools until it is done
+    copies_into_me = {p.seq: int(np.count_nonzero(p.copies[:, 2] == worker)) for p in plans}
+    return {"worker": worker, "source": source, "targets": len(plans), "wall_s": wall, "rejected": migrator.rejected,
+            "records": [dict(seq=r.seq, copies=r.copies, bytes=r.bytes, raw_copy_ms=r.raw_copy_ms, exposed_ms=r.exposed_ms,
+                             window_ms=r.window_ms, planned_copies=copies_into_me[r.seq]) for r in records]}
+
+
+class _DriverLink:
+    """Worker 0 (this process) <-> worker 1 (the peer process) over the pipe."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def swap_pools(self, mine: dict) -> dict:
+        kind, theirs = self.conn.recv()
+        if kind != "pools":
+            raise RuntimeError(f"replay worker 1 failed before sharing its pools: {theirs}")
+        self.conn.send(("pools", mine))
+        return theirs
+
+    def barrier(self) -> None:
+        msg = self.conn.recv()
+        if msg != "ready":
+            raise RuntimeError(f"replay worker 1 failed: {msg}")
+        self.conn.send("go")
+
+
+class _PeerLink:
+    """Worker 1's end of ``_DriverLink``."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def swap_pools(self, mine: dict) -> dict:
+        self.conn.send(("pools", mine))
+        return self.conn.recv()[1]
+
+    def barrier(self) -> None:
+        self.conn.send("ready")
+        if self.conn.recv() != "go":
+            raise RuntimeError("replay driver did not release the barrier")
+
+
+def bench_replay(args, device: torch.device, peer_conn, cost: CostModel, copy_ms: float) -> dict:
+    shape = MODEL_SHAPES[COST_MODEL_SHAPE] if device.type == "cuda" else CPU_SHAPES["tiny-a"]
+    cfg = {"trace": args.trace, "steps": args.replay_steps if device.type == "cuda" else 4, "layers": args.replay_layers,
+           "tokens": args.replay_tokens if device.type == "cuda" else 32, "seed": args.seed, "shape": shape,
+           "redundant_slots": args.redundant_slots, "copy_budget": 4,
+           "cost": {f: getattr(cost, f) for f in CostModel.__struct_fields__}}
+    peer_conn.send(("replay", cfg))
+    local = _replay_worker(0, device, cfg, _DriverLink(peer_conn))
+    status, remote = peer_conn.recv()
+    if status != "ok":
+        raise RuntimeError(f"replay worker 1 failed: {remote}")
+    workers = [local, remote]
+    recs = [r for w in workers for r in w["records"]]
+    fits = [r for r in recs if r["planned_copies"] * copy_ms <= r["window_ms"]]
+    with_copies = [r for r in recs if r["copies"]]
+    zero = [r for r in fits if r["exposed_ms"] < 1e-3]
+    return {"source": workers[0]["source"], "shape": dict(zip(("hidden", "intermediate", "experts", "top_k"), shape)),
+            "targets": workers[0]["targets"], "per_worker_wall_s": [w["wall_s"] for w in workers],
+            "rejected": sum(w["rejected"] for w in workers),
+            "targets_with_copies": len(with_copies), "targets_copy_fits_window": len(fits),
+            "share_zero_exposed_when_fits": len(zero) / len(fits) if fits else None,
+            "median_window_ms": statistics.median(r["window_ms"] for r in recs) if recs else None,
+            "median_raw_copy_ms_with_copies": statistics.median(r["raw_copy_ms"] for r in with_copies) if with_copies else None,
+            "max_exposed_ms": max((r["exposed_ms"] for r in recs), default=0.0),
+            "total_exposed_ms": sum(r["exposed_ms"] for r in recs),
+            "copy_ms_used_for_planned": copy_ms, "records": recs}
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _markdown(data: dict) -> str:
+    from afore.bench.report import markdown_table
+
+    lines = [f"Device: {data['device']}; GPUs: {data['gpus']}; dtype {data['dtype']}.", ""]
+    cm = data["cost_model"]
+    lines += ["## Cost model (read by `afore.scheduler.cost`)", "",
+              markdown_table(list(cm), [[round(v, 6) if isinstance(v, float) else v for v in cm.values()]]), ""]
+    k = data.get("kernels")
+    if k:
+        lines += ["## Grouped GEMM correctness (bf16 vs fp32 torch)", "",
+                  markdown_table(["model", "backend", "rel error", "NaN"], [[c["model"], c["backend"], f"{c['rel_error']:.2e}", c["nan"]] for c in k["check"]]), "",
+                  "## Grouped GEMM vs per-expert matmul loop (decode loads)", "",
+                  markdown_table(["model", "slots", "pairs", "grouped ms", "loop ms", "speedup"],
+                                 [[r["model"], r["slots"], r["pairs"], f"{r['grouped_ms']:.4f}", f"{r['loop_ms']:.4f}", f"{r['speedup']:.2f}"] for r in k["grouped_vs_loop"]]), "",
+                  "## beta_tile (grouped GEMM ms per 16-pair tile, slope of a linear fit)", "",
+                  markdown_table(["model", "tiles", "ms", "beta_tile ms", "intercept ms"],
+                                 [[m, v["tiles"], [round(t, 4) for t in v["ms"]], f"{v['beta_tile_ms']:.5f}", f"{v['intercept_ms']:.4f}"] for m, v in k["beta_tile"].items()]), ""]
+    c = data.get("copies")
+    if c:
+        lines += [f"## Expert copies ({'IPC pull from the peer GPU' if c['cross_device'] else 'same device'})", "",
+                  f"Large copy ({c['large_copy_bytes'] / 2**30:.2f} GiB): {c['large_copy_ms']:.3f} ms = {c['large_copy_gbps']:.1f} GB/s "
+                  f"({c['large_copy_gbps'] / c['nvlink_peak_gbps']:.0%} of the {c['nvlink_peak_gbps']:.0f} GB/s NVLink peak).", "",
+                  markdown_table(["model", "experts", "MB/expert", "ms", "ms/expert", "GB/s", "of peak", "of large copy"],
+                                 [[r["model"], r["experts"], f"{r['bytes_per_expert'] / 1e6:.1f}", f"{r['ms']:.4f}", f"{r['ms_per_expert']:.4f}",
+                                   f"{r['gbps']:.1f}", f"{r['share_of_nvlink_peak']:.0%}", f"{r['share_of_large_copy']:.0%}"] for r in c["rows"]]), ""]
+    o = data.get("overlap")
+    if o:
+        lines += ["## Expert compute slowed by concurrent copies", "",
+                  markdown_table(["model", "pairs", "alone ms", "with copies ms", "slowdown"],
+                                 [[r["model"], r["pairs"], f"{r['alone_ms']:.3f}", f"{r['with_copies_ms']:.3f}", f"{r['slowdown']:+.1%}"] for r in o["rows"]]), ""]
+    r = data.get("replay")
+    if r:
+        share = r["share_zero_exposed_when_fits"]
+        lines += ["## Trace replay: exposed wait vs lookahead window (2 FFN workers)", "",
+                  f"Trace: {r['source']}; {r['targets']} targets per worker; rejected plans: {r['rejected']}.", "",
+                  markdown_table(["targets with copies", "copy fits window", "zero exposed when fits", "median window ms",
+                                  "median raw copy ms", "max exposed ms", "total exposed ms"],
+                                 [[r["targets_with_copies"], r["targets_copy_fits_window"], "n/a" if share is None else f"{share:.1%}",
+                                   f"{r['median_window_ms']:.3f}", "n/a" if r["median_raw_copy_ms_with_copies"] is None else f"{r['median_raw_copy_ms_with_copies']:.3f}",
+                                   f"{r['max_exposed_ms']:.3f}", f"{r['total_exposed_ms']:.3f}"]]), ""]
+    t = data.get("targets")
+    if t:
+        lines += ["## Targets", "", markdown_table(["target", "value", "met"], [[n, v["value"], v["met"]] for n, v in t.items()]), ""]
+    return "\n".join(lines)
+
+
+def _figure(data: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    k = data.get("kernels")
+    if k:
+        for model in {r["model"] for r in k["grouped_vs_loop"]}:
+            rows = [r for r in k["grouped_vs_loop"] if r["model"] == model]
+            axes[0].plot([r["pairs"] for r in rows], [r["speedup"] for r in rows], marker="o", label=model)
+        axes[0].axhline(1.0, color="grey", lw=0.8)
+        axes[0].set(xscale="log", xlabel="pairs per worker", ylabel="loop time / grouped time", title="grouped GEMM speedup")
+        axes[0].legend(fontsize=7)
+    c = data.get("copies")
+    if c:
+        for model in {r["model"] for r in c["rows"]}:
+            rows = [r for r in c["rows"] if r["model"] == model]
+            axes[1].plot([r["experts"] for r in rows], [r["gbps"] for r in rows], marker="o", label=model)
+        axes[1].axhline(c["large_copy_gbps"], color="k", ls="--", lw=0.8, label="large copy")
+        axes[1].axhline(c["nvlink_peak_gbps"], color="r", ls=":", lw=0.8, label="NVLink peak")
+        axes[1].set(xscale="log", xlabel="experts per batch", ylabel="GB/s", title="expert copy bandwidth")
+        axes[1].legend(fontsize=7)
+    r = data.get("replay")
+    if r and r["records"]:
+        recs = r["records"]
+        axes[2].scatter([x["window_ms"] for x in recs], [x["raw_copy_ms"] for x in recs], s=6, label="raw copy")
+        axes[2].scatter([x["window_ms"] for x in recs], [x["exposed_ms"] for x in recs], s=6, label="exposed wait")
+        hi = max(x["window_ms"] for x in recs)
+        axes[2].plot([0, hi], [0, hi], color="grey", lw=0.8)
+        axes[2].set(xlabel="lookahead window (ms)", ylabel="ms", title="replay: copy vs window")
+        axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def run(args: argparse.Namespace) -> int:
+    from afore.bench.report import write_report
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("afore bench migration: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return 2
+    device = torch.device("cuda:0" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = parts - {"kernels", "copies", "overlap", "replay"}
+    if unknown:
+        raise ValueError(f"--parts: expected a subset of kernels,copies,overlap,replay, got {sorted(unknown)}")
+    if args.redundant_slots < 1:
+        raise ValueError(f"--redundant-slots: expected >= 1, got {args.redundant_slots}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = MODEL_SHAPES if device.type == "cuda" else CPU_SHAPES
+    name = args.name or ("migration_1gpu" if gpus == 1 else "migration")
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    data: dict = {"device": torch.cuda.get_device_name(device) if gpus else "cpu", "gpus": gpus, "dtype": str(dtype)}
+    if "kernels" in parts:
+        data["kernels"] = bench_kernels(shapes, args, device, dtype, rng)
+
+    cross = gpus >= 2 or device.type == "cpu"
+    peer_device = "cuda:1" if gpus >= 2 else str(device)
+    big_bytes = (1 << 30) if device.type == "cuda" else (1 << 24)
+    ctx = torch.multiprocessing.get_context("spawn")
+    peer_conn, child_conn = ctx.Pipe()
+    peer = None
+    need_peer = bool(parts & {"copies", "overlap", "replay"})
+    if need_peer:
+        if cross:
+            peer = ctx.Process(target=_peer_entry, args=(peer_device, shapes, 16, big_bytes, child_conn), daemon=True)
+            peer.start()
+            handles = peer_conn.recv()
+            src_pools = {n: tuple(open_tensors(b)) for n, b in handles["pools"].items()}
+            (big_src,) = open_tensors(handles["big"])
+        else:
+            src_pools = _source_pools(shapes, 16, device, dtype, seed=1)
+            big_src = torch.empty(big_bytes, dtype=torch.uint8, device=device).fill_(7)
+    try:
+        if "copies" in parts:
+            data["copies"] = bench_copies(shapes, src_pools, big_src, device, dtype, cross)
+        if "overlap" in parts:
+            data["overlap"] = bench_overlap(shapes, src_pools, args, device, dtype, rng)
+        cost = _cost_model(data, shapes)
+        if "replay" in parts and cross:
+            data["replay"] = bench_replay(args, device, peer_conn, cost, cost.copy_ms)
+            cost = _cost_model(data, shapes)
+        data["cost_model"] = {f: getattr(cost, f) for f in CostModel.__struct_fields__}
+        data["cost_model_shape"] = COST_MODEL_SHAPE if device.type == "cuda" else "tiny-a"
+        data["targets"] = _targets(data)
+    finally:
+        if peer is not None:
+            if peer.is_alive():
+                peer_conn.send("exit")
+            peer.join(timeout=30)
+            if peer.is_alive():
+                peer.terminate()
+    paths = write_report(name, data, _markdown(data), _figure(data), out_dir=args.out_dir)
+    print(_markdown(data))
+    print("wrote", ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _peer_entry(device_str, shapes, experts, big_bytes, conn) -> None:
+    """Spawned peer: waits for the replay config inside each 'replay' request."""
+    device = torch.device(device_str)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pools = _source_pools(shapes, experts, device, dtype, seed=1)
+    big = torch.empty(big_bytes, dtype=torch.uint8, device=device).fill_(7)
+    conn.send({"pools": {n: export_tensors(*ts) for n, ts in pools.items()}, "big": export_tensors(big)})
+    while True:
+        msg = conn.recv()
+        if msg == "exit":
+            break
+        if isinstance(msg, tuple) and msg[0] == "replay":
+            try:
+                conn.send(("ok", _replay_worker(1, device, msg[1], _PeerLink(conn))))
+            except Exception:
+                import traceback
+                conn.send(("error", traceback.format_exc()))
+    _sync(device)
+
+
+def _cost_model(data: dict, shapes: dict) -> CostModel:
+    name = COST_MODEL_SHAPE if COST_MODEL_SHAPE in shapes else next(iter(shapes))
+    h, inter, _, _ = shapes[name]
+    elem = 2 if data["dtype"] == "torch.bfloat16" else 4
+    kw = {"bytes_per_expert": 3 * h * inter * elem}
+    if "kernels" in data:
+        kw["beta_tile_ms"] = max(data["kernels"]["beta_tile"][name]["beta_tile_ms"], 1e-6)
+    if "copies" in data:
+        rows = [r for r in data["copies"]["rows"] if r["model"] == name]
+        slope, intercept = _fit_line([r["experts"] for r in rows], [r["ms"] for r in rows])
+        # per-copy latency = intercept share; bandwidth from the slope (ms per expert)
+        kw["link_bandwidth_gbps"] = kw["bytes_per_expert"] / max(slope, 1e-9) / 1e6
+        kw["copy_latency_ms"] = max(intercept, 0.0)
+    if "replay" in data and data["replay"]["median_window_ms"]:
+        kw["window_ms"] = data["replay"]["median_window_ms"]
+    return CostModel(**kw)
+
+
+def _targets(data: dict) -> dict:
+    out = {}
+    c = data.get("copies")
+    if c:
+        batched = [r for r in c["rows"] if r["experts"] >= 8]
+        worst = min((r["share_of_large_copy"] for r in batched), default=None)
+        if worst is not None:
+            out["batched copies >= 85% of the large-copy rate (worst model, >= 8 experts)"] = {"value": f"{worst:.0%}", "met": worst >= 0.85}
+    o = data.get("overlap")
+    if o:
+        worst = max(r["slowdown"] for r in o["rows"])
+        out["compute slowed <= 3% by concurrent copies (worst)"] = {"value": f"{worst:+.1%}", "met": worst <= 0.03}
+    r = data.get("replay")
+    if r and r["share_zero_exposed_when_fits"] is not None:
+        s = r["share_zero_exposed_when_fits"]
+        out["zero exposed wait on >= 99% of targets whose copy fits the window"] = {"value": f"{s:.1%}", "met": s >= 0.99}
+    k = data.get("kernels")
+    if k and k["grouped_vs_loop"]:
+        worst = min(x["speedup"] for x in k["grouped_vs_loop"])
+        out["grouped GEMM faster than the matmul loop at every load"] = {"value": f"min speedup {worst:.2f}x", "met": worst > 1.0}
+    return out
