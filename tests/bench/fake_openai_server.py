@@ -1,0 +1,76 @@
+"""A tiny OpenAI-compatible streaming server for testing `afore bench serve` without vLLM.
+
+/v1/completions streams ``max_tokens`` chunks: the first after ``--first-delay`` s, the
+others ``--itl`` s apart, then a usage chunk and ``[DONE]``. A prompt containing ``FAIL``
+gets HTTP 400. ``--policy-endpoint`` adds POST /afore/policy. GET /fake/stats reports what
+the server saw (policies set, requests, the largest number in flight, ignore_eos values).
+"""
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+
+def make_app(args):
+    stats = {"policies": [], "requests": 0, "max_in_flight": 0, "ignore_eos": [], "launched_policy": args.policy}
+    in_flight = 0
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model"}]})
+
+    async def completions(request):
+        nonlocal in_flight
+        body = await request.json()
+        if "FAIL" in body["prompt"]:
+            return web.json_response({"error": {"message": "bad prompt", "code": 400}}, status=400)
+        stats["requests"] += 1
+        stats["ignore_eos"].append(body.get("ignore_eos"))
+        in_flight += 1
+        stats["max_in_flight"] = max(stats["max_in_flight"], in_flight)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(args.first_delay)
+            for i in range(body["max_tokens"]):
+                if i:
+                    await asyncio.sleep(args.itl)
+                chunk = {"object": "text_completion", "model": body["model"],
+                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
+                                              "completion_tokens": body["max_tokens"]}}
+            await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
+        finally:
+            in_flight -= 1
+
+    async def policy(request):
+        stats["policies"].append((await request.json())["policy"])
+        return web.json_response({"policy": stats["policies"][-1]})
+
+    async def fake_stats(request):
+        return web.json_response(stats)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/fake/stats", fake_stats)
+    if args.policy_endpoint:
+        app.router.add_post("/afore/policy", policy)
+    return app
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--policy", default=None)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--first-delay", type=float, default=0.03)
+    parser.add_argument("--itl", type=float, default=0.005)
+    parser.add_argument("--policy-endpoint", action="store_true")
+    args = parser.parse_args()
+    web.run_app(make_app(args), host=args.host, port=args.port, print=None)
