@@ -22,7 +22,8 @@ server is asked to ignore EOS so random-weight models still produce that many to
 
 Policies: with ``--launch`` the benchmark starts ``afore serve --policy NAME`` per policy on
 ``--url``'s port and stops it afterwards; otherwise it asks the running server to switch
-with ``set_policy`` (POST ``/afore/policy``) before each run.
+with ``set_policy`` before each run: POST ``/afore/policy`` on ``afore serve``'s admin
+endpoint (``--admin-url``, default the API port + 1, as ``afore serve --admin-port 0``).
 """
 
 from __future__ import annotations
@@ -331,8 +332,18 @@ def _stats(values: np.ndarray) -> dict:
 # ---------------------------------------------------------------- server control
 
 
-def set_policy(url: str, name: str, timeout_s: float = 30.0) -> None:
-    """Ask a running ``afore serve`` to switch its placement policy (POST /afore/policy).
+def admin_url_for(url: str) -> str:
+    """``afore serve``'s default admin endpoint for API base ``url``: same host, port + 1."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{parts.hostname}:{port + 1}"
+
+
+def set_policy(url: str, name: str, timeout_s: float = 120.0) -> None:
+    """Ask a running ``afore serve`` (its admin endpoint ``url``) to switch its placement policy.
+
+    POST ``/afore/policy`` with ``{"policy": NAME}``; the server restarts its scheduler with
+    that policy and answers once it runs.
 
     Raises RuntimeError when the server does not offer the switch (use ``--launch``) or refuses.
     """
@@ -414,6 +425,8 @@ def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    parser.add_argument("--admin-url", default=None,
+                        help="afore serve's admin endpoint for switching policy (default: --url with port + 1)")
     parser.add_argument("--model", default=None, help="model id for requests (default: the first of /v1/models)")
     parser.add_argument("--dataset", choices=("gsm8k", "sharegpt"), default="gsm8k")
     parser.add_argument("--dataset-path", type=Path, default=None, help="read the data set from this file instead of its package")
@@ -460,6 +473,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"afore bench serve: {exc}", file=sys.stderr)
         return 2
     url = args.url.rstrip("/")
+    admin_url = (args.admin_url or admin_url_for(url)).rstrip("/")
     ignore_eos = not args.no_ignore_eos
     runs: dict[str, dict] = {}
     out_dir = args.out
@@ -473,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
                                         shlex.split(args.serve_command) if args.serve_command else None)
                 wait_ready(url, args.ready_timeout, process)
             else:
-                set_policy(url, policy)
+                set_policy(admin_url, policy)
             model = args.model or served_model(url)
             if args.warmup:
                 asyncio.run(run_load(url, model, prompts[: args.warmup], args.concurrency, ignore_eos,

@@ -54,7 +54,8 @@ def _gsm8k_file(path, n, fail_at=()):
 def _args(base_url, tmp_path, dataset_path, **overrides):
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    args = parser.parse_args(["--url", base_url, "--dataset-path", str(dataset_path), "--out", str(tmp_path / "out")])
+    args = parser.parse_args(["--url", base_url, "--admin-url", base_url, "--dataset-path", str(dataset_path),
+                              "--out", str(tmp_path / "out")])
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
@@ -133,6 +134,11 @@ def test_launch_starts_and_stops_one_server_per_policy(tmp_path):
         _get(f"{url}/v1/models")
     log = (tmp_path / "out" / "serve-server.log").read_text()
     assert log.count("--policy static") == 1 and log.count("--policy eplb") == 1
+
+
+def test_default_admin_endpoint_is_the_next_port():
+    assert serve.admin_url_for("http://127.0.0.1:8000") == "http://127.0.0.1:8001"
+    assert serve.admin_url_for("http://localhost") == "http://localhost:81"
 
 
 def _sharegpt_records():
