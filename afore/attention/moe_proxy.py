@@ -82,6 +82,12 @@ class RemoteExpertsMethod(_FusedMoEMethodBase):
                        **extra_weight_attrs) -> None:
         return None
 
+    @property
+    def supports_internal_mk(self) -> bool:
+        # Tells the runner not to all-gather tokens across data-parallel ranks: each
+        # attention worker sends its own tokens, the FFN side gathers all A of them.
+        return True
+
     def get_fused_moe_quant_config(self, layer):
         return vllm_compat.unquantized_moe_config()
 
@@ -100,6 +106,9 @@ class RemoteRoutedExperts(_RoutedExperts):
         if self.apply_router_weight_on_input:
             raise ValueError(f"{layer_name}: apply_router_weight_on_input models are not supported by the remote FFN path")
         cfg = role_.load_from_env()
+        if vllm_compat.tensor_parallel_size() != 1:
+            raise ValueError(f"{layer_name}: tensor_parallel_size: expected 1 on attention workers (scale out with --attn-workers), "
+                             f"got {vllm_compat.tensor_parallel_size()}")
         index = vllm_compat.layer_index(layer_name)
         if index not in cfg.moe_layers:
             raise ValueError(f"{layer_name}: layer {index} is not in moe_layers {cfg.moe_layers} of AFORE_CONFIG")

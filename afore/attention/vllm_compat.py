@@ -64,6 +64,12 @@ def data_parallel_rank() -> int:
     return int(get_current_vllm_config().parallel_config.data_parallel_rank)
 
 
+def tensor_parallel_size() -> int:
+    from vllm.config import get_current_vllm_config
+
+    return int(get_current_vllm_config().parallel_config.tensor_parallel_size)
+
+
 def layer_index(layer_name: str) -> int:
     """Model layer index from a vLLM module prefix such as ``model.layers.3.mlp.experts``."""
     m = _LAYER_INDEX.search(layer_name)

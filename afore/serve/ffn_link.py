@@ -65,7 +65,9 @@ def _tensor(frame: zmq.Frame | bytes, dtype: torch.dtype, shape: tuple[int, ...]
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def _bytes(t: torch.Tensor) -> memoryview | bytes:
+    if t.numel() == 0:
+        return b""
     t = t.detach().contiguous()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -123,7 +123,7 @@ class FFNWorker:
         if cfg.plan_ring:
             from afore.migrator.plan_source import RingPlanSource
 
-            self.plans = RingPlanSource.attach(cfg.plan_ring, self.shape, cfg.worker)
+            self.plans = RingPlanSource(cfg.plan_ring, cfg.worker, self.shape)
         self.targets = 0
         self.plan_misses = 0
         self.stopping = False

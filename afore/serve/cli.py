@@ -1,0 +1,46 @@
+"""``afore serve``: vLLM attention workers + afore FFN workers + scheduler, one command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from afore.serve.launcher import POLICIES, ServeOptions, serve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", help="Hugging Face MoE checkpoint directory (default: the built-in tiny Qwen3-MoE, built once under ~/.cache/afore)")
+    parser.add_argument("--attn-workers", type=int, default=1, help="data-parallel vLLM attention workers (A)")
+    parser.add_argument("--ffn-workers", type=int, default=2, help="FFN workers holding the routed experts (F; F > A is fine)")
+    parser.add_argument("--policy", default="afore", choices=POLICIES, help="expert placement policy (switchable later: POST /afore/policy on the admin port)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="OpenAI-compatible API port")
+    parser.add_argument("--admin-port", type=int, default=0, help="admin endpoint port (0 = port + 1, -1 = off)")
+    parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
+    parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
+    parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
+    parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto", help="vLLM --dtype")
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager (faster start, no torch.compile)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each start-up phase")
+    parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", help="extra argument passed to vLLM's server (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        opts = ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
+                            policy=args.policy, device=args.device, host=args.host, port=args.port,
+                            admin_port=args.admin_port, microbatches=args.microbatches,
+                            redundant_slots=args.redundant_slots, copy_budget=args.copy_budget,
+                            colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
+                            enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
+                            vllm_args=list(args.vllm_arg))
+        return serve(opts)
+    except (ValueError, RuntimeError, TimeoutError) as exc:
+        print(f"afore serve: {exc}", file=sys.stderr)
+        return 2

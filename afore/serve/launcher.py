@@ -1,0 +1,423 @@
+"""Process orchestration of ``afore serve``.
+
+Start order (each step waits for the previous one to be ready, with a progress bar):
+
+1. model: ``--model`` or the built-in tiny Qwen3-MoE checkpoint (built once, cached);
+   shape checks (architecture, E >= F, devices) fail here, before any process starts;
+2. scheduler service (``afore scheduler``): owns the demand mailbox and the plan ring;
+3. F FFN workers (:mod:`afore.serve.ffn_worker`), each reading plans from the ring;
+4. the vLLM OpenAI server with A data-parallel attention engines, the afore plugin
+   active (``AFORE_ROLE=attention``); ready when ``/health`` answers 200.
+
+The launcher then supervises: an FFN worker that dies makes the attention workers
+fail the affected forward at once (they watch the FFN pids), vLLM's engine dies and
+its ``/health`` turns non-200; the scheduler dying only costs plans (FFN workers
+fall back to primary-only plans). SIGINT/SIGTERM stop everything in reverse order,
+wait for every child (killing stragglers), and remove the run directory and the
+shared-memory segments. A small admin endpoint (``--admin-port``) reports the
+processes and switches the placement policy of the running server by restarting the
+scheduler with the new policy (no request is lost: plans are advisory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import msgspec
+from tqdm import tqdm
+
+from afore.attention.role import AttentionRoleConfig
+from afore.serve.ffn_worker import FFNWorkerConfig
+from afore.serve.model_info import MoEModelInfo, read_model_info
+
+log = logging.getLogger("afore.serve")
+
+POLICIES = ("static", "eplb", "eplb-async", "harmoeny", "lina", "libra", "afore", "afore-no-prefetch", "afore-no-overlap")
+
+
+class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: str = ""                 # "" = the built-in tiny Qwen3-MoE checkpoint
+    attn_workers: int = 1
+    ffn_workers: int = 2
+    policy: str = "afore"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_port: int = 0             # 0 = port + 1; -1 = off
+    microbatches: int = 2
+    redundant_slots: int = 2
+    copy_budget: int = 8
+    colocate: bool = False
+    max_model_len: int = 2048
+    enforce_eager: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    start_timeout_s: float = 600.0
+    exchange_timeout_s: float = 60.0
+    vllm_args: list[str] = []
+
+    def __post_init__(self) -> None:
+        if self.attn_workers < 1:
+            raise ValueError(f"attn_workers: expected >= 1, got {self.attn_workers}")
+        if self.ffn_workers < 1:
+            raise ValueError(f"ffn_workers: expected >= 1, got {self.ffn_workers}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port: expected in [1, 65535], got {self.port}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches: expected >= 1, got {self.microbatches}")
+        if self.redundant_slots < 0:
+            raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
+        if self.copy_budget < 0:
+            raise ValueError(f"copy_budget: expected >= 0, got {self.copy_budget}")
+
+    @property
+    def admin(self) -> int:
+        return -1 if self.admin_port < 0 else (self.admin_port or self.port + 1)
+
+
+def device_count(device: str) -> int:
+    """Devices one worker can own: GPUs for cuda, usable cores for cpu."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0))
+
+
+def check_shape(opts: ServeOptions, info: MoEModelInfo, devices: int) -> None:
+    """Refuse impossible shapes before starting anything (ValueError with the fix)."""
+    if info.num_experts < opts.ffn_workers:
+        raise ValueError(f"ffn_workers: expected at most {info.num_experts} (the model's experts per layer), got {opts.ffn_workers}")
+    needed = opts.attn_workers + opts.ffn_workers
+    if devices < 1:
+        raise ValueError(f"device: no {opts.device} device is available")
+    if needed > devices and not opts.colocate:
+        raise ValueError(f"attn_workers + ffn_workers: {needed} workers need {needed} {opts.device} devices, "
+                         f"{devices} available; pass --colocate to share devices")
+
+
+def resolve_model(opts: ServeOptions) -> str:
+    if opts.model:
+        return opts.model
+    from afore.models.tiny import build_tiny_checkpoint
+
+    return str(build_tiny_checkpoint("qwen3_moe"))
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the launcher dies, so nothing is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Launcher:
+    """Starts, supervises and stops one ``afore serve`` deployment."""
+
+    def __init__(self, opts: ServeOptions):
+        self.opts = opts
+        self.run_dir = ""
+        self.model = ""
+        self.info: MoEModelInfo | None = None
+        self.ffn: list[Child] = []
+        self.scheduler: Child | None = None
+        self.server: Child | None = None
+        self.policy = opts.policy
+        tag = f"afore-{os.getpid()}"
+        self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
+        self._admin: http.server.ThreadingHTTPServer | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.RLock()
+
+    # ---- start
+    def start(self) -> None:
+        opts = self.opts
+        steps = tqdm(total=4, desc="afore serve", unit="step", file=sys.stderr)
+        try:
+            steps.set_postfix_str("model")
+            self.model = resolve_model(opts)
+            self.info = read_model_info(self.model)
+            check_shape(opts, self.info, device_count(opts.device))
+            self.run_dir = tempfile.mkdtemp(prefix="afore-run-")
+            steps.update()
+            steps.set_postfix_str("scheduler")
+            self.start_scheduler(self.policy)
+            steps.update()
+            steps.set_postfix_str(f"{opts.ffn_workers} FFN workers")
+            self.start_ffn_workers()
+            steps.update()
+            steps.set_postfix_str(f"vLLM, {opts.attn_workers} attention workers")
+            self.start_server()
+            self.wait_healthy()
+            steps.update()
+        finally:
+            steps.close()
+        self.start_admin()
+
+    @property
+    def ffn_endpoints(self) -> list[str]:
+        return [f"ipc://{self.run_dir}/ffn-{w}" for w in range(self.opts.ffn_workers)]
+
+    @property
+    def attn_endpoints(self) -> list[str]:
+        return [f"ipc://{self.run_dir}/attn-{a}" for a in range(self.opts.attn_workers)]
+
+    def shape(self):
+        from afore.config import ClusterShape
+
+        assert self.info is not None
+        return ClusterShape(num_experts=self.info.num_experts, num_workers=self.opts.ffn_workers,
+                            num_layers=len(self.info.moe_layers), redundant_slots=self.opts.redundant_slots,
+                            top_k=self.info.top_k)
+
+    def start_scheduler(self, policy: str) -> None:
+        from afore.config import SchedulerParams
+        from afore.scheduler.service import ServiceConfig, start_scheduler_process
+
+        cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
+                            num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
+                            params=SchedulerParams(copy_budget=self.opts.copy_budget))
+        proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent)
+        self.scheduler = Child("scheduler", proc)
+        self.policy = policy
+
+    def _device_env(self, index: int) -> dict[str, str]:
+        if self.opts.device != "cuda":
+            return {}
+        n = max(device_count("cuda"), 1)
+        return {"CUDA_VISIBLE_DEVICES": str(index % n)}
+
+    def start_ffn_workers(self) -> None:
+        opts = self.opts
+        for w in range(opts.ffn_workers):
+            cfg = FFNWorkerConfig(model=self.model, worker=w, ffn_endpoints=self.ffn_endpoints,
+                                  attn_endpoints=self.attn_endpoints, redundant_slots=opts.redundant_slots,
+                                  device=opts.device, plan_ring=self.ring_name)
+            env = {**os.environ, **self._device_env(opts.attn_workers + w)}
+            proc = subprocess.Popen([sys.executable, "-m", "afore.serve.ffn_worker", "--config", msgspec.json.encode(cfg).decode()],
+                                    env=env, preexec_fn=_die_with_parent)
+            self.ffn.append(Child(f"ffn-{w}", proc))
+        ready = [os.path.join(self.run_dir, f"ffn-{w}") for w in range(opts.ffn_workers)]
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        while not all(os.path.exists(p) for p in ready):  # each worker binds its socket when its weights are in
+            self._check_children("starting FFN workers")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"FFN workers not ready after {self.opts.start_timeout_s} s")
+            time.sleep(0.05)
+
+    def server_command(self) -> list[str]:
+        opts = self.opts
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--host", opts.host, "--port", str(opts.port), "--max-model-len", str(opts.max_model_len),
+               "--dtype", opts.dtype, "--seed", str(opts.seed)]
+        if opts.attn_workers > 1:
+            cmd += ["--data-parallel-size", str(opts.attn_workers)]
+        if opts.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + list(opts.vllm_args)
+
+    def start_server(self) -> None:
+        assert self.info is not None
+        role = AttentionRoleConfig(num_experts=self.info.num_experts, top_k=self.info.top_k,
+                                   attn_workers=self.opts.attn_workers, ffn_endpoints=self.ffn_endpoints,
+                                   attn_endpoints=self.attn_endpoints, moe_layers=list(self.info.moe_layers),
+                                   microbatches=self.opts.microbatches, ffn_pids=[c.proc.pid for c in self.ffn],
+                                   mailbox=self.mailbox_name, exchange_timeout_s=self.opts.exchange_timeout_s)
+        env = {**os.environ, **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+               # keep the API process up when the engine dies, so /health can say so
+               "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
+        if self.opts.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.opts.attn_workers))
+        self.server = Child("vllm", subprocess.Popen(self.server_command(), env=env, preexec_fn=_die_with_parent))
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        while time.monotonic() < deadline:
+            self._check_children("starting vLLM")
+            if self.health() == 200:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM not healthy after {self.opts.start_timeout_s} s")
+
+    def health(self) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.opts.host}:{self.opts.port}/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def _check_children(self, phase: str) -> None:
+        for child in self.children():
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{phase}: {child.name} (pid {child.proc.pid}) exited with {child.proc.returncode}")
+
+    def children(self) -> list[Child]:
+        out = list(self.ffn)
+        if self.scheduler is not None:
+            out.append(self.scheduler)
+        if self.server is not None:
+            out.append(self.server)
+        return out
+
+    # ---- admin
+    def status(self) -> dict:
+        return {
+            "policy": self.policy,
+            "model": self.model,
+            "attn_workers": self.opts.attn_workers,
+            "ffn_workers": self.opts.ffn_workers,
+            "processes": {c.name: {"pid": c.proc.pid, "alive": c.proc.poll() is None} for c in self.children()},
+        }
+
+    def switch_policy(self, policy: str) -> None:
+        """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans."""
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        with self._lock:
+            self.stop_scheduler()
+            self.start_scheduler(policy)
+
+    def stop_scheduler(self) -> None:
+        if self.scheduler is not None:
+            _stop(self.scheduler.proc, 10.0)
+            self.scheduler = None
+        self._unlink_segments()
+
+    def start_admin(self) -> None:
+        if self.opts.admin < 0:
+            return
+        launcher = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/afore/status":
+                    return self._reply(200, launcher.status())
+                self._reply(404, {"error": f"unknown path {self.path}"})
+
+            def do_POST(self):
+                if self.path != "/afore/policy":
+                    return self._reply(404, {"error": f"unknown path {self.path}"})
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError("body: expected a JSON object {\"policy\": NAME}")
+                    launcher.switch_policy(str(body.get("policy", "")))
+                except (ValueError, json.JSONDecodeError) as exc:
+                    return self._reply(400, {"error": str(exc)})
+                except Exception as exc:  # the scheduler failed to start: serving goes on primary-only
+                    return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+                self._reply(200, launcher.status())
+
+            def log_message(self, fmt, *args):
+                log.debug(fmt, *args)
+
+        self._admin = http.server.ThreadingHTTPServer((self.opts.host, self.opts.admin), Handler)
+        threading.Thread(target=self._admin.serve_forever, name="afore-admin", daemon=True).start()
+
+    # ---- run and stop
+    def supervise(self) -> int:
+        """Block until SIGINT/SIGTERM or the vLLM server exits; returns the exit code."""
+        reported: set[str] = set()
+        while not self._stopping.wait(0.5):
+            if self.server is not None and self.server.proc.poll() is not None:
+                log.error("afore: vLLM server exited with %s", self.server.proc.returncode)
+                return 1
+            for child in self.children():
+                if child.proc.poll() is not None and child.name not in reported:
+                    reported.add(child.name)
+                    what = "planning stops, FFN workers run primary-only plans" if child.name == "scheduler" \
+                        else "requests that reach it fail and vLLM reports unhealthy"
+                    print(f"afore: {child.name} (pid {child.proc.pid}) exited with {child.proc.returncode}: {what}",
+                          file=sys.stderr, flush=True)
+        return 0
+
+    def request_stop(self, *_args) -> None:
+        self._stopping.set()
+
+    def shutdown(self) -> None:
+        if self._admin is not None:
+            self._admin.shutdown()
+            self._admin.server_close()
+            self._admin = None
+        if self.server is not None:
+            _stop(self.server.proc, 30.0)
+        for child in self.ffn:
+            _stop(child.proc, 10.0)
+        with self._lock:
+            self.stop_scheduler()
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _unlink_segments(self) -> None:
+        """Remove the scheduler's segments if it could not (it was killed)."""
+        for name in (self.mailbox_name, self.ring_name):
+            path = os.path.join("/dev/shm", name.lstrip("/"))
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, wait, then SIGKILL: the process is reaped when this returns."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
+
+
+def serve(opts: ServeOptions) -> int:
+    launcher = Launcher(opts)
+    previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launcher.start()
+        print(f"afore: serving {launcher.model} on http://{opts.host}:{opts.port}/v1 "
+              f"(A={opts.attn_workers}, F={opts.ffn_workers}, policy {launcher.policy})"
+              + (f"; admin on http://{opts.host}:{opts.admin}/afore/status" if opts.admin >= 0 else ""),
+              file=sys.stderr, flush=True)
+        return launcher.supervise()
+    finally:
+        launcher.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
