@@ -1,0 +1,297 @@
+"""Exact certifier: the minimum max tile load under Algorithm 1's placement, slot and copy constraints.
+
+A mixed-integer program solved by HiGHS (``highspy``), used by ``afore bench scheduler`` (the
+paper's Table 2: greedy plan vs certified optimum) and by tests on small instances.
+
+Given demand d (k_e = ceil(d_e / M_tile) tiles), the projected slot table C and the protected
+slots U, with integer tiles N[e, w] >= 0 and binary redundant-replica choices y[e, w]:
+
+  minimise   T
+  subject to sum_w N[e, w] = k_e                      every expert's tiles run somewhere
+             sum_e N[e, w] <= T                       tile load of worker w
+             N[e, w] <= min(k_e, UB) * y[e, w]        work only on a replica (w != primary of e)
+             sum_e y[e, w] <= R - |empty protected slots of w|
+             y[e, w] = 1 for a protected binding      protected slots keep their expert
+             sum of y[e, w] not bound in C <= B       at most B new replicas (copies)
+
+Primaries are fixed (N[e, primary] is free, no y). Migration cost is not in the objective: the
+benchmark compares plans whose copies fit in the lookahead window. The compactness threshold
+theta is a heuristic restriction of the greedy, not a constraint of the problem, so the optimum
+here is the best any planner can reach. Before solving, two lower bounds short-circuit the MILP
+when a supplied incumbent (the greedy's tiles) already meets them: the average load
+ceil(sum_e k_e / F) and max_e ceil(k_e / r_max(e)), where r_max(e) counts the workers that can
+hold e (primary, existing bindings, and at most B new ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from afore.config import ClusterShape, SchedulerParams
+from afore.scheduler.plan import SlotTable
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificate:
+    """The certified optimum of max tile load for one target.
+
+    optimum:     the proven minimum (tiles), None if the time limit hit first
+    lower_bound: best proven lower bound (tiles)
+    upper_bound: best feasible value found (tiles): the incumbent's or the solver's
+    status:      "optimal" or "time-limit"
+    method:      "bound" (incumbent met a combinatorial bound) or "milp"
+    solve_s:     wall time of the certification (s)
+    tiles:       int64[E, F] tiles of an optimal (or best found) solution, None for method "bound"
+                 without an incumbent
+    """
+
+    optimum: int | None
+    lower_bound: int
+    upper_bound: int
+    status: str
+    method: str
+    solve_s: float
+    tiles: np.ndarray | None = None
+
+    @property
+    def value(self) -> int:
+        """The certified value: the optimum if proven, else the best lower bound."""
+        return self.optimum if self.optimum is not None else self.lower_bound
+
+    def gap(self, max_tile_load: int) -> float:
+        """Relative gap (max_tile_load - optimum) / optimum; 0 when both are 0."""
+        ref = self.value
+        if ref == 0:
+            return 0.0 if max_tile_load == 0 else float("inf")
+        return (max_tile_load - ref) / ref
+
+
+def tile_counts(shape: ClusterShape, demand: np.ndarray) -> np.ndarray:
+    """int64[E]: k_e = ceil(d_e / M_tile)."""
+    return -(-shape.check_demand(demand) // shape.m_tile)
+
+
+def check_protected(shape: ClusterShape, protected: object) -> np.ndarray:
+    """Validate U[t] as bool[F, R]."""
+    arr = np.asarray(protected)
+    f, r = shape.num_workers, shape.redundant_slots
+    if arr.shape != (f, r):
+        raise ValueError(f"protected: expected shape ({f}, {r}), got {arr.shape}")
+    if arr.dtype != np.bool_:
+        if arr.dtype.kind not in "iu" or not np.all((arr == 0) | (arr == 1)):
+            raise ValueError(f"protected: expected booleans, got dtype {arr.dtype}")
+        arr = arr.astype(bool)
+    return arr
+
+
+def lower_bounds(shape: ClusterShape, k: np.ndarray, table: SlotTable, protected: np.ndarray, copy_budget: int) -> int:
+    """Combinatorial lower bound on the optimum: max(average load, max_e ceil(k_e / r_max(e)))."""
+    f = shape.num_workers
+    bound = int(-(-int(k.sum()) // f))
+    owner = shape.primary_owner
+    bound_on = np.zeros((shape.num_experts, f), bool)
+    w_idx, r_idx = np.nonzero(table.expert >= 0)
+    bound_on[table.expert[w_idx, r_idx], w_idx] = True
+    rebindable = (~protected).sum(axis=1) > 0  # workers with a slot that can take a new replica
+    for e in np.nonzero(k > 0)[0]:
+        existing = int(bound_on[e].sum())
+        candidates = rebindable.copy()
+        candidates[owner[e]] = False
+        candidates &= ~bound_on[e]
+        r_max = 1 + existing + min(copy_budget, int(candidates.sum()))
+        bound = max(bound, int(-(-int(k[e]) // r_max)))
+    return bound
+
+
+def check_tiles_feasible(shape: ClusterShape, k: np.ndarray, table: SlotTable, protected: np.ndarray,
+                         copy_budget: int, tiles: np.ndarray) -> None:
+    """Raise ValueError if ``tiles`` int[E, F] breaks a constraint of the certifier's problem."""
+    e_, f = shape.num_experts, shape.num_workers
+    n = np.asarray(tiles)
+    if n.shape != (e_, f):
+        raise ValueError(f"incumbent: expected shape ({e_}, {f}), got {n.shape}")
+    if np.any(n < 0) or not np.array_equal(n.sum(axis=1), k):
+        raise ValueError("incumbent: tiles must be >= 0 and sum to ceil(demand / m_tile) per expert")
+    owner = shape.primary_owner
+    new = 0
+    for w in range(f):
+        bound = {int(x) for x in table.expert[w] if x >= 0}
+        kept = {int(table.expert[w, r]) for r in range(shape.redundant_slots) if protected[w, r] and table.expert[w, r] >= 0}
+        empty_protected = int(np.sum(protected[w] & (table.expert[w] < 0)))
+        used = {int(e) for e in np.nonzero(n[:, w] > 0)[0] if owner[e] != w} | kept
+        if len(used) + empty_protected > shape.redundant_slots:
+            raise ValueError(f"incumbent: worker {w} needs {len(used)} redundant replicas, has {shape.redundant_slots - empty_protected} slots")
+        new += len(used - bound)
+    if new > copy_budget:
+        raise ValueError(f"incumbent: {new} new replicas, copy budget is {copy_budget}")
+
+
+def certify(shape: ClusterShape, demand: np.ndarray, table: SlotTable, protected: np.ndarray,
+            params: SchedulerParams, time_limit_s: float = 10.0, incumbent: np.ndarray | None = None,
+            threads: int = 1) -> Certificate:
+    """Certify the minimum max tile load for one target.
+
+    Args:
+      shape, params: cluster shape and scheduler knobs (uses params.copy_budget = B).
+      demand: int64[E] token-expert pairs per expert.
+      table: the projected slot table C[t] before planning (not mutated).
+      protected: bool[F, R] U[t].
+      time_limit_s: HiGHS time limit (s); on expiry status is "time-limit".
+      incumbent: optional int[E, F] tiles of a feasible plan (e.g. ``plan.tiles``); checked,
+        used as the MIP start and for the bound short-circuit.
+    """
+    start = time.perf_counter()
+    k = tile_counts(shape, demand)
+    table.check(shape)
+    protected = check_protected(shape, protected)
+    if not (np.isfinite(time_limit_s) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s: expected a finite value > 0, got {time_limit_s!r}")
+    B = params.copy_budget
+    lb = lower_bounds(shape, k, table, protected, B)
+    owner = shape.primary_owner
+    primary_load = np.bincount(owner, weights=k, minlength=shape.num_workers).astype(np.int64)
+    ub, ub_tiles = int(primary_load.max()), None
+    if incumbent is not None:
+        incumbent = np.asarray(incumbent, np.int64)
+        check_tiles_feasible(shape, k, table, protected, B, incumbent)
+        inc_value = int(incumbent.sum(axis=0).max())
+        if inc_value <= ub:
+            ub, ub_tiles = inc_value, incumbent
+    if ub <= lb:
+        if ub_tiles is None:
+            ub_tiles = _primary_tiles(shape, k)
+        return Certificate(ub, ub, ub, "optimal", "bound", time.perf_counter() - start, ub_tiles)
+    # Search below the incumbent only: T <= ub - 1 also tightens every big-M to min(k_e, ub - 1).
+    # An infeasible model then proves the incumbent optimal.
+    return _solve_milp(shape, k, table, protected, B, lb, ub, ub_tiles, time_limit_s, threads, start)
+
+
+def _solve_milp(shape, k, table, protected, B, lb, ub, ub_tiles, time_limit_s, threads, start) -> Certificate:
+    import highspy
+
+    E, F, R = shape.num_experts, shape.num_workers, shape.redundant_slots
+    owner = shape.primary_owner
+    bound_on = np.zeros((E, F), bool)
+    w_idx, r_idx = np.nonzero(table.expert >= 0)
+    bound_on[table.expert[w_idx, r_idx], w_idx] = True
+    fixed_on = np.zeros((E, F), bool)
+    w_idx, r_idx = np.nonzero((table.expert >= 0) & protected)
+    fixed_on[table.expert[w_idx, r_idx], w_idx] = True
+    capacity = R - (protected & (table.expert < 0)).sum(axis=1)
+
+    # columns: 0 = T; then N[e, w] for experts with k_e > 0 and all w; then y[e, w] for non-primary pairs
+    active = np.nonzero(k > 0)[0]
+    n_col = {}
+    y_col = {}
+    col = 1
+    for e in active:
+        for w in range(F):
+            n_col[(e, w)] = col
+            col += 1
+    for e in range(E):
+        for w in range(F):
+            if w == owner[e]:
+                continue
+            if k[e] > 0 or fixed_on[e, w]:
+                y_col[(e, w)] = col
+                col += 1
+    num_col = col
+    lower = np.zeros(num_col)
+    upper = np.zeros(num_col)
+    integrality = np.ones(num_col, np.int32)
+    cap = ub - 1  # look for strictly better solutions than the incumbent ub
+    lower[0], upper[0] = lb, cap
+    for (e, w), c in n_col.items():
+        upper[c] = min(int(k[e]), cap)
+    for (e, w), c in y_col.items():
+        upper[c] = 1
+        lower[c] = 1 if fixed_on[e, w] else 0
+    cost = np.zeros(num_col)
+    cost[0] = 1.0
+
+    rows_lo: list[float] = []
+    rows_hi: list[float] = []
+    entries: list[tuple[int, int, float]] = []  # (row, col, value)
+
+    def add_row(cols_vals, lo, hi):
+        r = len(rows_lo)
+        rows_lo.append(lo)
+        rows_hi.append(hi)
+        entries.extend((r, c, v) for c, v in cols_vals)
+
+    inf = highspy.kHighsInf
+    for e in active:
+        add_row([(n_col[(e, w)], 1.0) for w in range(F)], float(k[e]), float(k[e]))
+    for w in range(F):
+        add_row([(n_col[(e, w)], 1.0) for e in active] + [(0, -1.0)], -inf, 0.0)
+    for (e, w), c in y_col.items():
+        if (e, w) in n_col:
+            add_row([(n_col[(e, w)], 1.0), (c, -float(min(int(k[e]), cap)))], -inf, 0.0)
+    for w in range(F):
+        cols = [(c, 1.0) for (e, w2), c in y_col.items() if w2 == w]
+        if cols:
+            add_row(cols, -inf, float(max(capacity[w], 0)))
+    new_cols = [(c, 1.0) for (e, w), c in y_col.items() if not bound_on[e, w]]
+    if new_cols:
+        add_row(new_cols, -inf, float(B))
+
+    ent = np.array(entries, dtype=np.float64).reshape(-1, 3)
+    order = np.lexsort((ent[:, 0], ent[:, 1]))
+    ent = ent[order]
+    col_idx = ent[:, 1].astype(np.int64)
+    starts = np.searchsorted(col_idx, np.arange(num_col + 1))
+
+    lp = highspy.HighsLp()
+    lp.num_col_ = num_col
+    lp.num_row_ = len(rows_lo)
+    lp.col_cost_ = cost
+    lp.col_lower_ = lower
+    lp.col_upper_ = upper
+    lp.row_lower_ = np.array(rows_lo)
+    lp.row_upper_ = np.array(rows_hi)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = starts.astype(np.int32)
+    lp.a_matrix_.index_ = ent[:, 0].astype(np.int32)
+    lp.a_matrix_.value_ = ent[:, 2]
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_col
+
+    h = highspy.Highs()
+    h.silent()
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("threads", int(threads))
+    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("mip_abs_gap", 0.0)
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    elapsed = time.perf_counter() - start
+    if status == highspy.HighsModelStatus.kInfeasible:
+        # nothing below the incumbent exists: ub is optimal
+        tiles = ub_tiles if ub_tiles is not None else _primary_tiles(shape, k)
+        return Certificate(ub, ub, ub, "optimal", "milp", elapsed, tiles)
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    best, tiles = ub, (ub_tiles if ub_tiles is not None else _primary_tiles(shape, k))
+    if has_solution:
+        values = np.asarray(h.getSolution().col_value)
+        best = int(round(values[0]))
+        tiles = np.zeros((E, F), np.int64)
+        for (e, w), c in n_col.items():
+            tiles[e, w] = int(round(values[c]))
+        best = int(tiles.sum(axis=0).max())
+    if status == highspy.HighsModelStatus.kOptimal:
+        return Certificate(best, best, best, "optimal", "milp", elapsed, tiles)
+    dual = info.mip_dual_bound
+    proven_lb = max(lb, int(np.ceil(dual - 1e-6))) if np.isfinite(dual) else lb
+    if proven_lb >= best:
+        return Certificate(best, best, best, "optimal", "milp", elapsed, tiles)
+    return Certificate(None, proven_lb, best, "time-limit", "milp", elapsed, tiles)
+
+
+def _primary_tiles(shape: ClusterShape, k: np.ndarray) -> np.ndarray:
+    tiles = np.zeros((shape.num_experts, shape.num_workers), np.int64)
+    tiles[np.arange(shape.num_experts), shape.primary_owner] = k
+    return tiles
