@@ -91,10 +91,14 @@ class PlanRing:
         """Like ``read`` but waits up to ``timeout_s`` for the plan to be published."""
         return self._decode(self._handle.wait_read(seq, timeout_s, spin_s), seq, target)
 
-    def wait_raw(self, seq: int, timeout_s: float, spin_s: float = 0.0) -> tuple[int, bytes | None, int]:
-        """(status, payload, copied_ns) without decoding (benchmarks)."""
-        status, _, _, _, _, payload, copied_ns = self._handle.wait_read(seq, timeout_s, spin_s)
-        return status, payload, copied_ns
+    def wait_raw(self, seq: int, timeout_s: float, spin_s: float = 0.0) -> tuple[int, int, bytes | None, int]:
+        """(status, entry seq, payload, copied_ns) without decoding (benchmarks, stress tests).
+
+        status is ``_shm.FOUND``, ``NOT_YET``, ``MISSED`` (entry seq: the later plan that is
+        there instead) or ``CLOSED``.
+        """
+        status, entry_seq, _, _, _, payload, copied_ns = self._handle.wait_read(seq, timeout_s, spin_s)
+        return status, entry_seq, payload, copied_ns
 
     def replaced(self) -> bool:
         """True when the segment was closed or replaced (the scheduler restarted)."""

@@ -217,8 +217,13 @@ bool MailboxProducer::put(int64_t step, int32_t layer, int32_t microbatch, int32
                                 " (seq " + std::to_string(seq) + " after seq " + std::to_string(last) + ")");
   }
 
-  // The scheduler closed this segment (restart): report "not accepted" so the caller re-attaches.
+  // The scheduler closed this segment, or stopped polling it and a successor replaced it (crash
+  // and restart): report "not accepted" so that the caller re-attaches. The stat() behind
+  // replaced() only runs while the consumer's heartbeat is older than a second.
   if (seg_.header()->state.load(std::memory_order_acquire) != kReady) return false;
+  uint64_t now = monotonic_ns();
+  uint64_t beat = hdr_->consumer_heartbeat_ns.load(std::memory_order_relaxed);
+  if (now > beat + 1000000000ULL && seg_.replaced()) return false;
   uint64_t head = r->head.load(std::memory_order_relaxed);
   if (head - r->tail.load(std::memory_order_acquire) >= layout_.capacity) {
     uint64_t start = monotonic_ns();
