@@ -162,6 +162,10 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("num_workers", &afore::Scheduler::num_workers)
       .def_prop_ro("redundant_slots", &afore::Scheduler::redundant_slots)
       .def_prop_ro("m_tile", &afore::Scheduler::m_tile)
+      .def_prop_ro("last_within_moves", &afore::Scheduler::last_within_moves,
+                   "Moves of the last call within the placement.")
+      .def_prop_ro("last_beyond_moves", &afore::Scheduler::last_beyond_moves,
+                   "Moves of the last call beyond the placement (explored, kept or not).")
       .def("schedule", &schedule, "demand"_a, "table_expert"_a, "table_last_used"_a,
            "protected"_a, "prev_assignment"_a.none(), "theta"_a, "copy_budget"_a,
            "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a,

@@ -17,7 +17,9 @@
 #include "scheduler/scheduler.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -207,8 +209,13 @@ void Scheduler::move_tiles(int32_t e, int32_t h, int32_t c, int64_t q) {
 }
 
 void Scheduler::initialize(const ScheduleInputs& in) {
+  // Demand < 2**31 (validated): 32-bit division, or a shift for the usual power-of-two tile.
+  const uint32_t m = static_cast<uint32_t>(M_);
+  const bool pow2 = (m & (m - 1)) == 0;
+  const int shift = __builtin_ctz(m);
   for (int64_t e = 0; e < E_; ++e) {
-    k_[e] = (in.demand[e] + M_ - 1) / M_;
+    const uint32_t d = static_cast<uint32_t>(in.demand[e]);
+    k_[e] = pow2 ? (d >> shift) + ((d & (m - 1)) != 0) : d / m + (d % m != 0);
     add_replica(static_cast<int32_t>(e), owner_[e]);
   }
   for (int64_t i = 0; i < F_ * R_; ++i) {
@@ -238,14 +245,29 @@ void Scheduler::initialize(const ScheduleInputs& in) {
       add_tiles(e, owner_[e], k);
       continue;
     }
+    if (n == 1) {  // one worker carried all previous pairs
+      add_tiles(e, lr_workers_[0], k);
+      continue;
+    }
     const int32_t* prev = in.prev_assignment + e * F_;
     int64_t assigned = 0;
+    // quota = k * prev[w] < 2**62 (k, prev < 2**31); 32-bit division when it fits.
+    const bool narrow = total <= UINT32_MAX && k * total <= UINT32_MAX;  // quota <= k * total
     for (int32_t i = 0; i < n; ++i) {
       const int32_t w = lr_workers_[i];
-      const int64_t quota = k * prev[w];  // < 2**62: k, prev <= 2**31 - 1
-      remainder_[w] = quota % total;
-      assigned += quota / total;
-      add_tiles(e, w, quota / total);
+      const int64_t quota = k * prev[w];
+      int64_t floor_q, rem;
+      if (narrow) {
+        const uint32_t a = static_cast<uint32_t>(quota), b = static_cast<uint32_t>(total);
+        floor_q = a / b;
+        rem = a - static_cast<uint32_t>(floor_q) * b;
+      } else {
+        floor_q = quota / total;
+        rem = quota - floor_q * total;
+      }
+      remainder_[w] = rem;
+      assigned += floor_q;
+      add_tiles(e, w, floor_q);
     }
     // Extra tiles to the largest remainders, ties to the lower worker index.
     std::sort(lr_workers_.begin(), lr_workers_.begin() + n, [&](int32_t a, int32_t b) {
@@ -385,7 +407,11 @@ void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
   int64_t q;
 
   // Stage 2: rebalancing within the placement.
-  while (find_within_move(theta, e, h, c, q)) move_tiles(e, h, c, q);
+  within_moves_ = 0;
+  while (find_within_move(theta, e, h, c, q)) {
+    move_tiles(e, h, c, q);
+    ++within_moves_;
+  }
 
   // Stage 3: rebalancing beyond the placement; keep the best positive net gain.
   const double beta = in.beta_tile_ms;
@@ -412,6 +438,7 @@ void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
       best_len = moves_.size();
     }
   }
+  beyond_moves_ = static_cast<int64_t>(moves_.size());
   while (moves_.size() > best_len) {
     const Move m = moves_.back();
     moves_.pop_back();

@@ -49,6 +49,9 @@ class Scheduler {
   int64_t num_workers() const { return F_; }
   int64_t redundant_slots() const { return R_; }
   int64_t m_tile() const { return M_; }
+  // Moves of the last call: within the placement, and beyond it (explored, kept or not).
+  int64_t last_within_moves() const { return within_moves_; }
+  int64_t last_beyond_moves() const { return beyond_moves_; }
 
   // Validates the inputs (throws std::invalid_argument naming the field), then plans.
   void run(const ScheduleInputs& in, ScheduleOutputs& out);
@@ -111,6 +114,7 @@ class Scheduler {
   std::vector<int32_t> lr_workers_;   // [F]
   std::vector<int64_t> seen_stamp_;   // [E] duplicate-binding check: stamp of (call, worker)
   int64_t stamp_ = 0;
+  int64_t within_moves_ = 0, beyond_moves_ = 0;
 };
 
 }  // namespace afore
