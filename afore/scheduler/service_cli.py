@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="microbatches per layer and step")
     parser.add_argument("--deadline-ms", type=float, default=50.0, help="incomplete demand older than this gets no plan")
     parser.add_argument("--liveness-timeout", type=float, default=1.0, help="seconds before a silent reader is evicted")
+    parser.add_argument("--no-pid-check", action="store_true",
+                        help="detect dead FFN workers by heartbeat only (readers in another pid namespace)")
     parser.add_argument("--spin-us", type=float, default=0.0, help="busy-poll the mailbox this long before sleeping")
     parser.add_argument("--listen", default="", help="host:port of the demand receiver for remote attention workers")
     parser.add_argument("--token", default="", help="shared token of the demand receiver")
@@ -61,7 +63,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
         shape=parse_shape(args.shape), policy=args.policy, mailbox=args.mailbox, ring=args.ring,
         num_producers=args.attn_workers, num_microbatches=args.microbatches, deadline_ms=args.deadline_ms,
-        liveness_timeout_s=args.liveness_timeout, spin_us=args.spin_us, listen=args.listen, token=args.token,
+        liveness_timeout_s=args.liveness_timeout, pid_check=not args.no_pid_check, spin_us=args.spin_us, listen=args.listen, token=args.token,
         metrics_port=args.metrics_port, params=SchedulerParams(theta=args.theta, copy_budget=args.copy_budget),
         cost=CostModel())
 
