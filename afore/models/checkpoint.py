@@ -37,7 +37,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -228,14 +228,20 @@ class CheckpointReader:
             _check_shape(w2, (e_count, h_size, i_size), f"{prefix}.down_proj")
             return ExpertWeights(w13.contiguous(), w2.contiguous())
         names = [self.names.expert(layer, e) for e in range(e_count)]
-        tensors = self._read([n for triple in names for n in triple], layer, target)
-        first = tensors[names[0][0]]
-        w13 = torch.empty((e_count, 2 * i_size, h_size), dtype=first.dtype)
-        w2 = torch.empty((e_count, h_size, i_size), dtype=first.dtype)
+        slot = {}
         for e, (gate, up, down) in enumerate(names):
-            w13[e, :i_size] = _check_shape(tensors.pop(gate), (i_size, h_size), gate)
-            w13[e, i_size:] = _check_shape(tensors.pop(up), (i_size, h_size), up)
-            w2[e] = _check_shape(tensors.pop(down), (h_size, i_size), down)
+            slot[gate], slot[up], slot[down] = ("w13", e, 0), ("w13", e, i_size), ("w2", e, 0)
+        # Copy each tensor into place as it is read: peak memory is the layer plus one tensor.
+        w13 = w2 = None
+        for name, tensor in self._iter([n for triple in names for n in triple], layer, target):
+            if w13 is None:
+                w13 = torch.empty((e_count, 2 * i_size, h_size), dtype=tensor.dtype)
+                w2 = torch.empty((e_count, h_size, i_size), dtype=tensor.dtype)
+            which, e, row = slot[name]
+            if which == "w13":
+                w13[e, row:row + i_size] = _check_shape(tensor, (i_size, h_size), name)
+            else:
+                w2[e] = _check_shape(tensor, (h_size, i_size), name)
         return ExpertWeights(w13, w2)
 
     def load_shared_experts(self, layer: int, dtype: torch.dtype | str | None = None) -> SharedExpertWeights | None:
@@ -267,7 +273,13 @@ class CheckpointReader:
         return RouterWeights(weight, bias)
 
     def _read(self, names: list[str], layer: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-        """Read ``names`` (grouped by shard, each shard opened once), dequantising fp8 blocks."""
+        return dict(self._iter(names, layer, dtype))
+
+    def _iter(self, names: list[str], layer: int, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) for ``names``, each shard opened once, fp8 blocks dequantised.
+
+        Every name is checked before anything is read, so a missing tensor costs no I/O.
+        """
         missing = [n for n in names if n not in self.weight_map]
         if missing:
             raise ValueError(
@@ -278,7 +290,6 @@ class CheckpointReader:
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.weight_map[name], []).append(name)
-        out: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
             with safe_open(self.path / file, framework="pt") as f:
                 for name in file_names:
@@ -289,8 +300,7 @@ class CheckpointReader:
                         raise ValueError(
                             f"{name}: expected a float32, bfloat16, float16 or block-fp8 tensor, got {tensor.dtype}"
                         )
-                    out[name] = tensor if dtype is None else tensor.to(dtype)
-        return out
+                    yield name, (tensor if dtype is None else tensor.to(dtype))
 
     def _dequantize(self, name: str, tensor: torch.Tensor, handle: Any) -> torch.Tensor:
         scale_name = f"{name}_scale_inv"
