@@ -40,14 +40,21 @@ class LayerState:
 
     table: SlotTable
     last_plan: Plan | None = None
+    # State handed in from outside (``Policy.set_state``, ``afore plan``) before the first plan:
+    initial_protected: np.ndarray | None = None   # bool[F, R]
+    initial_assignment: np.ndarray | None = None  # int32[E, F]
 
     def protected(self, shape: ClusterShape) -> np.ndarray:
         """bool[F, R] U[t]: redundant slots that have work in the last plan of this layer."""
+        if self.last_plan is None and self.initial_protected is not None:
+            return self.initial_protected.copy()
         return slots_with_work(shape, self.table, self.last_plan)
 
     @property
     def prev_assignment(self) -> np.ndarray | None:
-        return None if self.last_plan is None else self.last_plan.assignment
+        if self.last_plan is None:
+            return self.initial_assignment
+        return self.last_plan.assignment
 
 
 def slots_with_work(shape: ClusterShape, table: SlotTable, plan: Plan | None) -> np.ndarray:
@@ -122,6 +129,24 @@ class Policy(abc.ABC):
     def reset(self) -> None:
         """Forget all per-layer state (fresh slot tables, no history)."""
         self.layers.clear()
+
+    def set_state(self, layer: int, table: SlotTable, protected: np.ndarray | None = None,
+                  prev_assignment: np.ndarray | None = None) -> None:
+        """Start ``layer`` from a given slot table, protected slots U and previous assignment A[t-1]
+        (e.g. a state read by ``afore plan``); they apply until the layer's first plan."""
+        f, r = self.shape.num_workers, self.shape.redundant_slots
+        table.check(self.shape)
+        if protected is not None:
+            protected = np.asarray(protected)
+            if protected.shape != (f, r) or protected.dtype != np.bool_:
+                raise ValueError(f"protected: expected bool[{f}, {r}], got {protected.dtype}{list(protected.shape)}")
+        if prev_assignment is not None:
+            prev_assignment = np.asarray(prev_assignment)
+            if prev_assignment.shape != (self.shape.num_experts, f) or prev_assignment.dtype.kind not in "iu" or np.any(prev_assignment < 0):
+                raise ValueError(f"prev_assignment: expected non-negative int[{self.shape.num_experts}, {f}], got {prev_assignment.dtype}{list(prev_assignment.shape)}")
+            prev_assignment = prev_assignment.astype(np.int32)
+        self.shape.check_layer(layer)
+        self.layers[layer] = LayerState(table.copy(), None, protected, prev_assignment)
 
     @abc.abstractmethod
     def _plan(self, target: Target, seq: int, demand: np.ndarray, state: LayerState) -> tuple[Plan, SlotTable]:

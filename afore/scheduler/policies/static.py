@@ -2,20 +2,22 @@
 
 Source: the Static baseline of the AFORE paper (section 7.1): experts are spread evenly over the
 FFN workers at start-up (afore's contiguous primary blocks) and the placement never changes;
-every token-expert pair runs on its expert's primary. No redundant slot is ever used.
+every token-expert pair runs on its expert's primary and no copy is ever made. (Bindings already
+in the slot table, e.g. handed in by ``afore plan``, stay bound but get no work.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from afore.scheduler.plan import Plan, SlotTable, Target, primary_only_plan
-from afore.scheduler.policies.base import LayerState, Policy, register
+from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.scheduler.policies.base import LayerState, Policy, assemble_plan, register
 
 
 @register("static")
 class StaticPolicy(Policy):
     def _plan(self, target: Target, seq: int, demand: np.ndarray, state: LayerState) -> tuple[Plan, SlotTable]:
-        plan = primary_only_plan(self.shape, demand, target, seq)
-        plan.primary_only = False  # a policy decision, not the deadline fallback
-        return plan, state.table.copy()
+        shape = self.shape
+        tiles = np.zeros((shape.num_experts, shape.num_workers), np.int64)
+        tiles[np.arange(shape.num_experts), shape.primary_owner] = -(-demand // shape.m_tile)
+        return assemble_plan(shape, target, seq, demand, tiles, state.table, state.table.expert.copy(), 0.0)
