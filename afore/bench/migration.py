@@ -96,6 +96,28 @@ def time_ms(fn, device: torch.device, reps: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, device: torch.device, reps: int = 20) -> float:
+    """Median GPU time of ``fn`` replayed as a CUDA graph (no host launch overhead); on CPU the
+    same as ``time_ms``. ``fn`` must not synchronise with the host."""
+    if device.type != "cuda":
+        return time_ms(fn, device, reps)
+    return time_ms(_capture(fn, device).replay, device, reps)
+
+
+def _capture(fn, device: torch.device) -> "torch.cuda.CUDAGraph":
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize(device)
+    return graph
+
+
 def _fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
     slope, intercept = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
     return float(slope), float(intercept)
@@ -132,20 +154,25 @@ def bench_kernels(shapes: dict, args, device: torch.device, dtype: torch.dtype, 
         for pairs in loads:
             tok, slot, wt, n = _decode_load(pairs, slots, rng, device)
             x = torch.randn(n, h, device=device, dtype=dtype)
-            t_grouped = time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend), device)
+            fn = lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend)  # noqa: E731
+            t_grouped = time_ms(fn, device)
+            t_graph = graph_time_ms(fn, device)
             t_loop = time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend="torch"), device)
-            out["grouped_vs_loop"].append({"model": name, "slots": slots, "pairs": pairs, "grouped_ms": t_grouped,
-                                           "loop_ms": t_loop, "speedup": t_loop / t_grouped})
+            active = int(torch.unique(slot).numel())
+            floor_ms = active * 3 * h * inter * w13.element_size() / (4.8e12) * 1e3 if device.type == "cuda" else None
+            out["grouped_vs_loop"].append({"model": name, "slots": slots, "active_slots": active, "pairs": pairs,
+                                           "grouped_ms": t_grouped, "grouped_graph_ms": t_graph, "loop_ms": t_loop,
+                                           "speedup": t_loop / t_grouped, "weight_read_floor_ms": floor_ms})
         # beta_tile: full tiles of m_tile pairs spread round-robin over the slots
         m = 16
-        tiles_list = [slots, 2 * slots, 4 * slots, 8 * slots] if device.type == "cuda" else [slots, 2 * slots]
+        tiles_list = [slots, 2 * slots, 4 * slots, 8 * slots, 16 * slots] if device.type == "cuda" else [slots, 2 * slots]
         times = []
         for tiles in tiles_list:
             slot = torch.arange(tiles, device=device).repeat_interleave(m) % slots
             tok = torch.arange(tiles * m, device=device)
             wt = torch.rand(tiles * m, device=device)
             x = torch.randn(tiles * m, h, device=device, dtype=dtype)
-            times.append(time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend, block_m=m), device))
+            times.append(graph_time_ms(lambda: grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend, block_m=m), device))
         slope, intercept = _fit_line(tiles_list, times)
         out["beta_tile"][name] = {"tiles": tiles_list, "ms": times, "beta_tile_ms": slope, "intercept_ms": intercept}
         del w13, w2
@@ -159,8 +186,8 @@ def _source_pools(shapes: dict, experts: int, device: torch.device, dtype: torch
     gen = torch.Generator(device=device).manual_seed(seed)
     pools = {}
     for name, (h, inter, _, _) in shapes.items():
-        pools[name] = (torch.randn(experts, 2 * inter, h, device=device, dtype=dtype, generator=gen),
-                       torch.randn(experts, h, inter, device=device, dtype=dtype, generator=gen))
+        buf = torch.randn(experts, 3 * inter * h, device=device, dtype=dtype, generator=gen)  # slot-pool layout
+        pools[name] = (buf[:, : 2 * inter * h].view(experts, 2 * inter, h), buf[:, 2 * inter * h:].view(experts, h, inter))
     return pools
 
 
@@ -168,8 +195,10 @@ def _source_pools(shapes: dict, experts: int, device: torch.device, dtype: torch
 
 
 def bench_copies(shapes: dict, src_pools: dict, big_src: torch.Tensor, device: torch.device,
-                 dtype: torch.dtype, cross: bool) -> dict:
-    engine = make_copy_engine(device)
+                 dtype: torch.dtype, cross: bool, use_driver: bool = True) -> dict:
+    from afore.migrator.copy_engine import CudaCopyEngine
+
+    engine = CudaCopyEngine(device, use_driver=use_driver) if device.type == "cuda" else make_copy_engine(device)
     stream = getattr(engine, "stream", None)
 
     def timed_batch(jobs: list[CopyJob], reps: int) -> float:
@@ -196,9 +225,10 @@ def bench_copies(shapes: dict, src_pools: dict, big_src: torch.Tensor, device: t
     for name, (src13, src2) in tqdm(src_pools.items(), desc="copies", file=sys.stdout):
         h, inter = src2.shape[1], src2.shape[2]
         n_max = min(max(batch_sizes), src13.shape[0])
-        dst13 = torch.empty(n_max, 2 * inter, h, device=device, dtype=dtype)
-        dst2 = torch.empty(n_max, h, inter, device=device, dtype=dtype)
-        per_expert = 3 * h * inter * dst13.element_size()
+        dst = torch.empty(n_max, 3 * inter * h, device=device, dtype=dtype)  # slot-pool layout
+        dst13 = dst[:, : 2 * inter * h].view(n_max, 2 * inter, h)
+        dst2 = dst[:, 2 * inter * h:].view(n_max, h, inter)
+        per_expert = 3 * h * inter * dst.element_size()
         for n in batch_sizes:
             if n > n_max:
                 continue
@@ -208,26 +238,30 @@ def bench_copies(shapes: dict, src_pools: dict, big_src: torch.Tensor, device: t
             gbps = n * per_expert / (ms * 1e-3) / 1e9
             rows.append({"model": name, "experts": n, "bytes_per_expert": per_expert, "ms": ms, "ms_per_expert": ms / n,
                          "gbps": gbps, "share_of_nvlink_peak": gbps / NVLINK_PEAK_GBPS, "share_of_large_copy": gbps / large_rate})
-        del dst13, dst2
+        del dst, dst13, dst2
     del big_dst
-    return {"cross_device": cross, "large_copy_bytes": big_src.numel(), "large_copy_ms": big_ms,
+    return {"cross_device": cross, "engine": "cuMemcpyAsync" if getattr(engine, "uses_driver", False) else "Tensor.copy_", "large_copy_bytes": big_src.numel(), "large_copy_ms": big_ms,
             "large_copy_gbps": large_rate, "nvlink_peak_gbps": NVLINK_PEAK_GBPS, "rows": rows}
 
 
 def bench_overlap(shapes: dict, src_pools: dict, args, device: torch.device, dtype: torch.dtype, rng) -> dict:
-    """Grouped-GEMM time alone vs while expert copies run back to back on the side stream."""
+    """GPU time of the grouped GEMM alone vs while expert copies run on the side stream.
+
+    The compute (20 grouped GEMMs) is one CUDA graph, so the host adds nothing to its time;
+    copies are enqueued before the timed region and outlast it (checked: ``copies_outlast``)."""
     rows = []
     backend = "triton" if device.type == "cuda" and triton_available() else "torch"
     engine = make_copy_engine(device)
     for name, (h, inter, e, k) in tqdm(shapes.items(), desc="overlap", file=sys.stdout):
         src13, src2 = src_pools[name]
         slots = e // args.workers_per_model + args.redundant_slots
-        w13 = torch.randn(slots, 2 * inter, h, device=device, dtype=dtype) / h ** 0.5
-        w2 = torch.randn(slots, h, inter, device=device, dtype=dtype) / inter ** 0.5
+        pool = torch.randn(slots, 3 * inter * h, device=device, dtype=dtype) / h ** 0.5
+        w13 = pool[:, : 2 * inter * h].view(slots, 2 * inter, h)
+        w2 = pool[:, 2 * inter * h:].view(slots, h, inter)
         n_copy = min(8, src13.shape[0])
-        dst13 = torch.empty(n_copy, 2 * inter, h, device=device, dtype=dtype)
-        dst2 = torch.empty(n_copy, h, inter, device=device, dtype=dtype)
-        jobs = [CopyJob(dst13[i], dst2[i], src13[i], src2[i]) for i in range(n_copy)]
+        dst = torch.empty(n_copy, 3 * inter * h, device=device, dtype=dtype)
+        jobs = [CopyJob(dst[i, : 2 * inter * h].view(2 * inter, h), dst[i, 2 * inter * h:].view(h, inter), src13[i], src2[i])
+                for i in range(n_copy)]
         for pairs in ([128, 1024] if device.type == "cuda" else [32]):
             tok, slot, wt, n = _decode_load(pairs, slots, rng, device)
             x = torch.randn(n, h, device=device, dtype=dtype)
@@ -237,23 +271,29 @@ def bench_overlap(shapes: dict, src_pools: dict, args, device: torch.device, dty
                 for _ in range(iters):
                     grouped_expert_mlp(x, tok, slot, wt, w13, w2, backend=backend)
 
-            alone = time_ms(compute, device, reps=7, warmup=2)
-            # keep the side stream busy for longer than the compute: enqueue copies first
-            copy_ms_est = max(alone, 0.1)
+            replay = _capture(compute, device).replay if device.type == "cuda" else compute
+            alone = time_ms(replay, device, reps=9, warmup=2)
             single = time_ms(lambda: engine.wait(engine.submit(jobs, [])), device, reps=3, warmup=1)
-            batches = max(1, int(3 * copy_ms_est / max(single, 1e-3)) + 1)
-
-            def compute_with_copies():
+            batches = max(1, int(2 * alone / max(single, 1e-3)) + 1)
+            times, outlast = [], []
+            for _ in range(9):
+                _sync(device)
+                last = None
                 for _ in range(batches):
-                    engine.submit(jobs, [])
-                compute()
-
-            with_copies = time_ms(compute_with_copies, device, reps=7, warmup=1)
-            _sync(device)
+                    last = engine.submit(jobs, [])
+                t0 = engine.mark()
+                replay()
+                t1 = engine.mark()
+                _sync(device)
+                engine.wait(last)
+                times.append(engine.elapsed_ms(t0, t1))
+                outlast.append(engine.elapsed_ms(t1, last.end) > 0)
+            with_copies = statistics.median(times)
             rows.append({"model": name, "pairs": pairs, "iters": iters, "alone_ms": alone, "with_copies_ms": with_copies,
-                         "slowdown": with_copies / alone - 1.0, "copy_batches_in_flight": batches})
-        del w13, w2, dst13, dst2
-    return {"rows": rows}
+                         "slowdown": with_copies / alone - 1.0, "copy_batches": batches, "experts_per_batch": n_copy,
+                         "copies_outlast": sum(outlast) / len(outlast)})
+        del pool, dst
+    return {"rows": rows, "engine": type(engine).__name__, "driver_memcpy": getattr(engine, "uses_driver", False)}
 
 
 # ---------------------------------------------------------------------------- replay
@@ -430,24 +470,37 @@ def _markdown(data: dict) -> str:
         lines += ["## Grouped GEMM correctness (bf16 vs fp32 torch)", "",
                   markdown_table(["model", "backend", "rel error", "NaN"], [[c["model"], c["backend"], f"{c['rel_error']:.2e}", c["nan"]] for c in k["check"]]), "",
                   "## Grouped GEMM vs per-expert matmul loop (decode loads)", "",
-                  markdown_table(["model", "slots", "pairs", "grouped ms", "loop ms", "speedup"],
-                                 [[r["model"], r["slots"], r["pairs"], f"{r['grouped_ms']:.4f}", f"{r['loop_ms']:.4f}", f"{r['speedup']:.2f}"] for r in k["grouped_vs_loop"]]), "",
+                  "Both eager (host launch overhead included, as the worker loop runs them); `graph ms` is the grouped GEMM "
+                  "replayed as a CUDA graph (GPU time), `floor ms` the time to read the active slots' weights once at 4.8 TB/s.", "",
+                  markdown_table(["model", "slots", "active", "pairs", "grouped ms", "graph ms", "floor ms", "loop ms", "speedup"],
+                                 [[r["model"], r["slots"], r.get("active_slots"), r["pairs"], f"{r['grouped_ms']:.4f}", f"{r['grouped_graph_ms']:.4f}",
+                                   "-" if r.get("weight_read_floor_ms") is None else f"{r['weight_read_floor_ms']:.4f}",
+                                   f"{r['loop_ms']:.4f}", f"{r['speedup']:.2f}"] for r in k["grouped_vs_loop"]]), "",
                   "## beta_tile (grouped GEMM ms per 16-pair tile, slope of a linear fit)", "",
                   markdown_table(["model", "tiles", "ms", "beta_tile ms", "intercept ms"],
                                  [[m, v["tiles"], [round(t, 4) for t in v["ms"]], f"{v['beta_tile_ms']:.5f}", f"{v['intercept_ms']:.4f}"] for m, v in k["beta_tile"].items()]), ""]
     c = data.get("copies")
     if c:
-        lines += [f"## Expert copies ({'IPC pull from the peer GPU' if c['cross_device'] else 'same device'})", "",
+        lines += [f"## Expert copies ({'IPC pull from the peer GPU' if c['cross_device'] else 'same device'}, {c.get('engine')})", "",
                   f"Large copy ({c['large_copy_bytes'] / 2**30:.2f} GiB): {c['large_copy_ms']:.3f} ms = {c['large_copy_gbps']:.1f} GB/s "
                   f"({c['large_copy_gbps'] / c['nvlink_peak_gbps']:.0%} of the {c['nvlink_peak_gbps']:.0f} GB/s NVLink peak).", "",
                   markdown_table(["model", "experts", "MB/expert", "ms", "ms/expert", "GB/s", "of peak", "of large copy"],
                                  [[r["model"], r["experts"], f"{r['bytes_per_expert'] / 1e6:.1f}", f"{r['ms']:.4f}", f"{r['ms_per_expert']:.4f}",
                                    f"{r['gbps']:.1f}", f"{r['share_of_nvlink_peak']:.0%}", f"{r['share_of_large_copy']:.0%}"] for r in c["rows"]]), ""]
+    ct = data.get("copies_torch")
+    if ct:
+        lines += [f"Same copies through `Tensor.copy_` (two cross-stream events per copy): large copy {ct['large_copy_gbps']:.1f} GB/s.", "",
+                  markdown_table(["model", "experts", "ms/expert", "GB/s", "of large copy"],
+                                 [[r["model"], r["experts"], f"{r['ms_per_expert']:.4f}", f"{r['gbps']:.1f}", f"{r['share_of_large_copy']:.0%}"]
+                                  for r in ct["rows"] if r["experts"] in (1, 8)]), ""]
     o = data.get("overlap")
     if o:
         lines += ["## Expert compute slowed by concurrent copies", "",
-                  markdown_table(["model", "pairs", "alone ms", "with copies ms", "slowdown"],
-                                 [[r["model"], r["pairs"], f"{r['alone_ms']:.3f}", f"{r['with_copies_ms']:.3f}", f"{r['slowdown']:+.1%}"] for r in o["rows"]]), ""]
+                  "20 grouped GEMMs as one CUDA graph, alone and while batches of 8 expert copies run on the side stream "
+                  "(copies enqueued first; `outlast` = share of runs in which the copies were still running when the compute ended).", "",
+                  markdown_table(["model", "pairs", "alone ms", "with copies ms", "slowdown", "outlast"],
+                                 [[r["model"], r["pairs"], f"{r['alone_ms']:.3f}", f"{r['with_copies_ms']:.3f}", f"{r['slowdown']:+.1%}",
+                                   f"{r['copies_outlast']:.0%}"] for r in o["rows"]]), ""]
     r = data.get("replay")
     if r:
         share = r["share_zero_exposed_when_fits"]
@@ -537,7 +590,8 @@ def run(args: argparse.Namespace) -> int:
     need_peer = bool(parts & {"copies", "overlap", "replay"})
     if need_peer:
         if cross:
-            peer = ctx.Process(target=_peer_entry, args=(peer_device, shapes, 16, big_bytes, child_conn), daemon=True)
+            from afore.bench import migration as this  # picklable by module name, also under -m
+            peer = ctx.Process(target=this._peer_entry, args=(peer_device, shapes, 16, big_bytes, child_conn), daemon=True)
             peer.start()
             handles = peer_conn.recv()
             src_pools = {n: tuple(open_tensors(b)) for n, b in handles["pools"].items()}
@@ -548,6 +602,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if "copies" in parts:
             data["copies"] = bench_copies(shapes, src_pools, big_src, device, dtype, cross)
+            if device.type == "cuda":
+                data["copies_torch"] = bench_copies(shapes, src_pools, big_src, device, dtype, cross, use_driver=False)
         if "overlap" in parts:
             data["overlap"] = bench_overlap(shapes, src_pools, args, device, dtype, rng)
         cost = _cost_model(data, shapes)
@@ -631,3 +687,18 @@ def _targets(data: dict) -> dict:
         worst = min(x["speedup"] for x in k["grouped_vs_loop"])
         out["grouped GEMM faster than the matmul loop at every load"] = {"value": f"min speedup {worst:.2f}x", "met": worst > 1.0}
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m afore.bench.migration`` = ``afore bench migration`` without the other commands' imports
+    (the GPU hosts lack the serving dependencies)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="afore bench migration", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    sys.argv = ["afore", "bench", "migration", *argv]  # recorded in the report as the equivalent command
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -192,34 +192,91 @@ class _CudaBatch:
         return self.end.query()
 
 
-class CudaCopyEngine:
-    """GPU engine: a side stream on the destination device, event-only synchronisation."""
+class _DriverMemcpy:
+    """``cuMemcpyAsync`` from the CUDA driver (libcuda, present wherever a GPU is).
 
-    def __init__(self, device: torch.device | int | str) -> None:
+    With unified addressing one call copies between any two device pointers, peers
+    included, on the given stream, without the cross-stream barriers that ``Tensor.copy_``
+    adds around every cross-device copy (two events per copy, which serialise a batch of
+    small copies: measured ~12 us per copy on H200s, half the time of a 9 MB expert)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._fn = lib.cuMemcpyAsync
+        self._fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, stream: torch.cuda.Stream) -> None:
+        rc = self._fn(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyAsync failed with CUresult {rc}")
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.is_contiguous() and b.is_contiguous() and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
+
+
+class CudaCopyEngine:
+    """GPU engine: a side stream on the destination device, event-only synchronisation.
+
+    Copies go through ``cuMemcpyAsync`` on the side stream (one transfer per expert when the
+    slot's matrices are adjacent, as in ``SlotPool``); ``Tensor.copy_`` is the fallback when
+    libcuda cannot be loaded (``use_driver=False`` forces it, for comparison)."""
+
+    def __init__(self, device: torch.device | int | str, use_driver: bool = True) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"device: expected a CUDA device, got {self.device}")
         self.stream = torch.cuda.Stream(device=self.device)
         self._src_streams: dict[int, torch.cuda.Stream] = {}
+        self._memcpy = None
+        if use_driver:
+            try:
+                self._memcpy = _DriverMemcpy()
+            except (OSError, AttributeError):
+                self._memcpy = None
+        self._peers_enabled: set[int] = set()
+
+    @property
+    def uses_driver(self) -> bool:
+        return self._memcpy is not None
 
     def _src_stream(self, index: int) -> torch.cuda.Stream:
         if index not in self._src_streams:
             self._src_streams[index] = torch.cuda.Stream(device=index)
         return self._src_streams[index]
 
+    def _enable_peer(self, index: int) -> None:
+        # One tiny torch copy from the peer makes torch enable peer access (cudaDeviceEnablePeerAccess)
+        # for this context, so driver copies from it go over NVLink directly.
+        if index in self._peers_enabled or index == self.device.index:
+            return
+        with torch.cuda.stream(self._src_stream(index)):
+            torch.empty(1, device=self.device).copy_(torch.zeros(1, device=torch.device("cuda", index)))
+        torch.cuda.synchronize(self.device)
+        self._peers_enabled.add(index)
+
     def submit(self, jobs: list[CopyJob], after: list[object]) -> _CudaBatch:
         batch = _CudaBatch()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.no_grad():
+            if self._memcpy is not None:
+                for job in jobs:
+                    self._enable_peer(job.src_w13.device.index)
             for fence in after:
                 self.stream.wait_event(fence)
             batch.start.record(self.stream)
             for job in jobs:
+                if self._memcpy is not None:
+                    self._driver_copy(job)
+                    continue
                 src_index = job.src_w13.device.index
                 if src_index == self.device.index:
                     job.dst_w13.copy_(job.src_w13, non_blocking=True)
                     job.dst_w2.copy_(job.src_w2, non_blocking=True)
                 else:
-                    # A cross-device copy runs on the *source* device's current stream of this
+                    # A cross-device copy_ runs on the *source* device's current stream of this
                     # process and then fences the destination's current stream: make both side
                     # streams so the model streams are never involved.
                     with torch.cuda.stream(self._src_stream(src_index)):
@@ -227,6 +284,22 @@ class CudaCopyEngine:
                         job.dst_w2.copy_(job.src_w2, non_blocking=True)
             batch.end.record(self.stream)
         return batch
+
+    def _driver_copy(self, job: CopyJob) -> None:
+        for dst, src in ((job.dst_w13, job.src_w13), (job.dst_w2, job.src_w2)):
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise ValueError(f"copy: expected matching shape and dtype, got {tuple(dst.shape)} {dst.dtype} <- {tuple(src.shape)} {src.dtype}")
+            if not (dst.is_contiguous() and src.is_contiguous()):
+                raise ValueError("copy: expected contiguous expert matrices")
+        n13 = job.src_w13.numel() * job.src_w13.element_size()
+        n2 = job.src_w2.numel() * job.src_w2.element_size()
+        if _adjacent(job.src_w13, job.src_w2) and _adjacent(job.dst_w13, job.dst_w2):
+            self._memcpy(job.dst_w13, job.src_w13, n13 + n2, self.stream)
+        else:
+            if n13:
+                self._memcpy(job.dst_w13, job.src_w13, n13, self.stream)
+            if n2:
+                self._memcpy(job.dst_w2, job.src_w2, n2, self.stream)
 
     def read_fence(self) -> torch.cuda.Event:
         event = torch.cuda.Event()

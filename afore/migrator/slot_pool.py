@@ -7,6 +7,7 @@ grouped GEMM indexes them by physical slot directly:
 
     w13  [K_w, 2I, H]   gate and up projections stacked (gate rows first)
     w2   [K_w, H, I]    down projection
+    (both views of one [K_w, 3*I*H] buffer, so a slot's matrices are adjacent in memory)
 
 ``resident[s]`` is the logical expert whose weights slot s holds once every submitted copy
 has completed (-1 = empty); the migrator updates it when it submits a copy and keeps the
@@ -38,8 +39,12 @@ class SlotPool:
         self.num_primaries = int(shape.primary_counts[worker])
         self.num_slots = self.num_primaries + shape.redundant_slots
         self.primary_start = int(np.concatenate([[0], np.cumsum(shape.primary_counts)])[worker])
-        self.w13 = torch.empty(self.num_slots, 2 * intermediate, hidden, dtype=dtype, device=device)
-        self.w2 = torch.empty(self.num_slots, hidden, intermediate, dtype=dtype, device=device)
+        # One buffer, one row per slot: a slot's three matrices are adjacent, so an expert copy
+        # is a single contiguous transfer; w13 / w2 are strided views of it.
+        per_slot = 3 * intermediate * hidden
+        self.storage = torch.empty(self.num_slots, per_slot, dtype=dtype, device=device)
+        self.w13 = self.storage[:, : 2 * intermediate * hidden].view(self.num_slots, 2 * intermediate, hidden)
+        self.w2 = self.storage[:, 2 * intermediate * hidden:].view(self.num_slots, hidden, intermediate)
         if dtype.is_floating_point:
             # Empty redundant slots hold NaN, so a read before its copy is loud, not plausible.
             self.w13[self.num_primaries:].fill_(float("nan"))
