@@ -20,12 +20,14 @@ import time
 import msgspec
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from afore.config import ClusterShape
-from afore.ffn.partition import worker_pairs
+from afore.ffn.layer import FFNLayer
+from afore.migrator.copy_engine import make_copy_engine
+from afore.migrator.migrator import HostWeightsSource, Migrator
+from afore.migrator.slot_pool import SlotPool
 from afore.scheduler.plan import Plan, Target, primary_only_plan
-from afore.serve.ffn_link import FFNLink, Request
+from afore.serve.ffn_link import DTYPES, FFNLink, Request
 from afore.serve.model_info import load_routed_experts, read_model_info
 
 log = logging.getLogger("afore.ffn_worker")
@@ -39,63 +41,56 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redundant_slots: int = 2
     m_tile: int = 16
     device: str = "cpu"
+    dtype: str = "float32"       # expert weights' dtype (the served model's dtype)
     plan_ring: str = ""          # PlanRing segment name ("" = primary-only plans)
     plan_timeout_ms: float = 2.0
 
 
-def exact_share(topk_ids: torch.Tensor, assignment: np.ndarray, primary_owner: np.ndarray, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat pair positions and experts this worker executes (eq. 11, ``afore.ffn.partition``).
-
-    topk_ids: int32[N, k] gathered routing; assignment: int[E, F] a[e, w]; primary_owner: int64[E].
-    Returns (positions int64[P], experts int64[P]) in routing order.
-    """
-    pos = worker_pairs(topk_ids, torch.as_tensor(assignment), torch.as_tensor(primary_owner, dtype=torch.int64), worker)
-    return pos, topk_ids.reshape(-1).to(torch.int64)[pos]
-
-
 class ExpertShard:
-    """Routed-expert weights of all MoE layers held by this worker (gated SiLU MLPs)."""
+    """This worker's routed experts for every MoE layer, driven by the FFN side's own parts.
 
-    def __init__(self, model: str, device: str, primary_owner: np.ndarray):
+    Per layer a ``SlotPool`` (primaries, then R redundant slots), one ``Migrator`` that
+    applies the plans' copies (sources: the checkpoint's expert weights in host memory,
+    ``HostWeightsSource``) and one ``FFNLayer`` that computes this worker's exact share.
+    """
+
+    def __init__(self, model: str, device: str, shape: ClusterShape, worker: int, dtype: torch.dtype = torch.float32):
         self.info = read_model_info(model)
-        self.primary_owner = primary_owner
+        self.shape = shape
+        self.worker = worker
         self.device = torch.device(device)
-        self.w13: list[torch.Tensor] = []
-        self.w2: list[torch.Tensor] = []
-        for layer in self.info.moe_layers:
-            w13, w2 = load_routed_experts(self.info, layer)
-            self.w13.append(w13.to(self.device))
-            self.w2.append(w2.to(self.device))
+        self.host: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pools: dict[int, SlotPool] = {}
+        for pos, layer in enumerate(self.info.moe_layers):
+            w13, w2 = load_routed_experts(self.info, layer, dtype)
+            self.host[pos] = (w13, w2)
+            pool = SlotPool(shape, worker, hidden=w13.shape[2], intermediate=w13.shape[1] // 2, dtype=dtype, device=self.device)
+            pool.load_primaries(w13, w2)
+            pools[pos] = pool
+        self.pools = pools
+        self.migrator = Migrator(shape, worker, pools, make_copy_engine(self.device), HostWeightsSource(self.host))
+        self.layers = {pos: FFNLayer(pool) for pos, pool in pools.items()}
+        self.rejected = 0
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                plan: Plan, worker: int) -> torch.Tensor:
-        """Partial output [N, H] (fp32) of this worker's pairs under ``plan``."""
-        n, h = hidden.shape
-        out = torch.zeros(n, h, dtype=torch.float32, device=self.device)
-        if n == 0:
-            return out
-        k = topk_ids.shape[1]
-        pos, experts = exact_share(topk_ids, plan.assignment, self.primary_owner, worker)
-        if pos.numel() == 0:
-            return out
-        tokens = pos // k
-        weights = topk_weights.reshape(-1)[pos].to(torch.float32)
-        x = hidden.to(self.device, torch.float32)
-        w13, w2 = self.w13[layer], self.w2[layer]
-        bounds = torch.cumsum(torch.bincount(experts, minlength=w13.shape[0]), 0).tolist()
-        order = torch.argsort(experts, stable=True)
-        start = 0
-        for e, end in enumerate(bounds):
-            if end == start:
-                continue
-            sel = order[start:end]
-            start = end
-            rows = tokens[sel]
-            gate_up = x[rows] @ w13[e].to(torch.float32).t()
-            g, u = gate_up.chunk(2, dim=-1)
-            y = (F.silu(g) * u) @ w2[e].to(torch.float32).t()
-            out.index_add_(0, rows, y * weights[sel, None])
-        return out
+                plan: Plan) -> torch.Tensor:
+        """Partial output [N, H] (hidden's dtype) of this worker's pairs under ``plan``.
+
+        A plan the migrator rejects (stale, out of order, a replica neither resident nor
+        copied) is replaced by the primary-only plan of the same target, never half-applied.
+        """
+        if not self.migrator.prepare(plan):
+            self.rejected += 1
+            log.warning("plan seq %d rejected: %s", plan.seq, getattr(self.migrator, "last_rejection", "?"))
+            plan = primary_only_plan(self.shape, plan.demand, plan.target, plan.seq)
+            if not self.migrator.prepare(plan):
+                raise RuntimeError(f"primary-only plan seq {plan.seq} rejected: {self.migrator.last_rejection}")
+        self.migrator.commit(plan)
+        pool = self.pools[layer]
+        x = hidden.to(self.device, pool.dtype)
+        out = self.layers[layer].forward(x, topk_ids.to(self.device), topk_weights.to(self.device), plan, self.worker)
+        self.migrator.release(plan)
+        return out.to(hidden.dtype)
 
 
 class FFNWorker:
@@ -105,7 +100,7 @@ class FFNWorker:
         self.shape = ClusterShape(num_experts=info.num_experts, num_workers=len(cfg.ffn_endpoints),
                                   num_layers=len(info.moe_layers), redundant_slots=cfg.redundant_slots,
                                   m_tile=cfg.m_tile, top_k=info.top_k)
-        self.shard = ExpertShard(cfg.model, cfg.device, self.shape.primary_owner)
+        self.shard = ExpertShard(cfg.model, cfg.device, self.shape, cfg.worker, DTYPES[cfg.dtype])
         self.link = FFNLink(cfg.worker, cfg.ffn_endpoints[cfg.worker], cfg.attn_endpoints)
         self.plans = None
         if cfg.plan_ring:
@@ -137,7 +132,7 @@ class FFNWorker:
         demand = torch.bincount(flat, minlength=self.shape.num_experts).numpy()
         target = Target(head.step, head.layer, head.microbatch)
         plan = self.plan_for(target, head.seq, demand)
-        out = self.shard.forward(head.layer, hidden, ids, weights, plan, self.cfg.worker)
+        out = self.shard.forward(head.layer, hidden, ids, weights, plan)
         sizes = [r.head.num_tokens for r in requests]
         self.link.send_outputs(requests, list(torch.split(out.cpu(), sizes)))
         self.targets += 1

@@ -26,6 +26,7 @@ import http.server
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,7 @@ from tqdm import tqdm
 
 from afore.attention.role import AttentionRoleConfig
 from afore.serve.ffn_worker import FFNWorkerConfig
-from afore.serve.model_info import MoEModelInfo, read_model_info
+from afore.serve.model_info import MoEModelInfo, read_model_info, serving_dtype
 
 log = logging.getLogger("afore.serve")
 
@@ -154,6 +155,8 @@ class Launcher:
         self._admin: http.server.ThreadingHTTPServer | None = None
         self._stopping = threading.Event()
         self._lock = threading.RLock()
+        self._main_thread = threading.current_thread()
+        self._requests: queue.Queue = queue.Queue()
 
     # ---- start
     def start(self) -> None:
@@ -164,6 +167,7 @@ class Launcher:
             self.model = resolve_model(opts)
             self.info = read_model_info(self.model)
             check_shape(opts, self.info, device_count(opts.device))
+            serving_dtype(opts.dtype, self.info)
             self.run_dir = tempfile.mkdtemp(prefix="afore-run-")
             steps.update()
             steps.set_postfix_str("scheduler")
@@ -218,7 +222,8 @@ class Launcher:
         for w in range(opts.ffn_workers):
             cfg = FFNWorkerConfig(model=self.model, worker=w, ffn_endpoints=self.ffn_endpoints,
                                   attn_endpoints=self.attn_endpoints, redundant_slots=opts.redundant_slots,
-                                  device=opts.device, plan_ring=self.ring_name)
+                                  device=opts.device, plan_ring=self.ring_name,
+                                  dtype=serving_dtype(opts.dtype, self.info))
             env = {**os.environ, **self._device_env(opts.attn_workers + w)}
             proc = subprocess.Popen([sys.executable, "-m", "afore.serve.ffn_worker", "--config", msgspec.json.encode(cfg).decode()],
                                     env=env, preexec_fn=_die_with_parent)
@@ -299,13 +304,39 @@ class Launcher:
             "processes": {c.name: {"pid": c.proc.pid, "alive": c.proc.poll() is None} for c in self.children()},
         }
 
-    def switch_policy(self, policy: str) -> None:
-        """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans."""
+    def switch_policy(self, policy: str, timeout_s: float = 120.0) -> None:
+        """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans.
+
+        Callable from any thread: the restart itself runs on the supervising (main) thread,
+        because a child's parent-death signal is tied to the thread that started it.
+        """
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        if threading.current_thread() is self._main_thread:
+            return self._restart_scheduler(policy)
+        done: dict = {"event": threading.Event()}
+        self._requests.put((policy, done))
+        if not done["event"].wait(timeout_s):
+            raise TimeoutError(f"policy switch to {policy} not done after {timeout_s} s")
+        if "error" in done:
+            raise done["error"]
+
+    def _restart_scheduler(self, policy: str) -> None:
         with self._lock:
             self.stop_scheduler()
             self.start_scheduler(policy)
+
+    def _serve_requests(self) -> None:
+        while True:
+            try:
+                policy, done = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._restart_scheduler(policy)
+            except Exception as exc:
+                done["error"] = exc
+            done["event"].set()
 
     def stop_scheduler(self) -> None:
         if self.scheduler is not None:
@@ -356,13 +387,15 @@ class Launcher:
     def supervise(self) -> int:
         """Block until SIGINT/SIGTERM or the vLLM server exits; returns the exit code."""
         reported: set[str] = set()
-        while not self._stopping.wait(0.5):
+        while not self._stopping.wait(0.1):
+            self._serve_requests()
             if self.server is not None and self.server.proc.poll() is not None:
                 log.error("afore: vLLM server exited with %s", self.server.proc.returncode)
                 return 1
             for child in self.children():
-                if child.proc.poll() is not None and child.name not in reported:
-                    reported.add(child.name)
+                key = f"{child.name}:{child.proc.pid}"
+                if child.proc.poll() is not None and key not in reported:
+                    reported.add(key)
                     what = "planning stops, FFN workers run primary-only plans" if child.name == "scheduler" \
                         else "requests that reach it fail and vLLM reports unhealthy"
                     print(f"afore: {child.name} (pid {child.proc.pid}) exited with {child.proc.returncode}: {what}",

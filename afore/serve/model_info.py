@@ -35,6 +35,7 @@ class MoEModelInfo:
     hidden_act: str
     name_pattern: str
     proj_names: tuple[str, str, str]  # (gate, up, down) as named in the checkpoint
+    dtype: str = "float32"            # the checkpoint's dtype (config torch_dtype / dtype)
 
     def expert_weight_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         return tuple(self.name_pattern.format(layer=layer, expert=expert, proj=p) for p in self.proj_names)  # type: ignore[return-value]
@@ -74,7 +75,19 @@ def read_model_info(path: str) -> MoEModelInfo:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"hidden_act: expected 'silu' (gated SiLU experts), got {act!r}")
-    return MoEModelInfo(path, model_type, num_experts, top_k, int(cfg["hidden_size"]), tuple(layers), act, pattern, projs)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    return MoEModelInfo(path, model_type, num_experts, top_k, int(cfg["hidden_size"]), tuple(layers), act, pattern, projs, dtype)
+
+
+def serving_dtype(requested: str, info: MoEModelInfo) -> str:
+    """The dtype name the model is served in: vLLM's ``--dtype`` (``auto`` = the checkpoint's)."""
+    aliases = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+    name = aliases.get(requested, requested)
+    if name == "auto":
+        name = aliases.get(info.dtype, info.dtype)
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {requested!r} (checkpoint: {info.dtype!r})")
+    return name
 
 
 def load_routed_experts(info: MoEModelInfo, layer: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

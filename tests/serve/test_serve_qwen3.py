@@ -61,6 +61,7 @@ def test_a1f2_every_policy_token_identical(a1f2, want, policy):
     assert code == 200, status
     assert status["policy"] == policy and status["processes"]["scheduler"]["alive"]
     assert_same_generation(a1f2.greedy(), want)
+    assert a1f2.status()["processes"]["scheduler"]["alive"], "the scheduler must keep running after a switch"
 
 
 def test_a1f2_unknown_policy_rejected(a1f2):

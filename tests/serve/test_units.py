@@ -15,10 +15,11 @@ import torch
 
 from afore.attention.demand import count_demand
 from afore.attention.role import AttentionRoleConfig, load_from_env
-from afore.config import ClusterShape
-from afore.scheduler.plan import Target, primary_only_plan
+from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.scheduler.plan import Target, check_plan
+from afore.scheduler.policies import Observation, make_policy
 from afore.serve.ffn_link import AttentionLink, FFNLink, PeerDied
-from afore.serve.ffn_worker import ExpertShard, exact_share
+from afore.serve.ffn_worker import ExpertShard
 from afore.serve.launcher import ServeOptions, check_shape
 from afore.serve.model_info import read_model_info
 from conftest import tiny
@@ -97,54 +98,37 @@ def test_count_demand_ignores_padding_ids():
     assert count_demand(ids, 8).tolist() == [1, 0, 0, 3, 0, 0, 0, 1]
 
 
-def _random_plan(shape: ClusterShape, demand: np.ndarray, rng) -> np.ndarray:
-    """A valid assignment that spreads each expert's pairs over random workers."""
-    a = np.zeros((shape.num_experts, shape.num_workers), np.int64)
-    for e, d in enumerate(demand):
-        cuts = np.sort(rng.integers(0, d + 1, size=shape.num_workers - 1))
-        a[e] = np.diff(np.concatenate([[0], cuts, [d]]))
-    return a
-
-
-def test_exact_share_partitions_every_pair_once():
-    rng = np.random.default_rng(0)
-    shape = ClusterShape(num_experts=8, num_workers=3, top_k=2)
-    ids = torch.stack([torch.randperm(8)[:2] for _ in range(50)]).to(torch.int32)
-    demand = count_demand(ids, 8).numpy()
-    a = _random_plan(shape, demand, rng)
-    seen = []
-    for w in range(3):
-        pos, experts = exact_share(ids, a, shape.primary_owner, w)
-        assert np.array_equal(np.bincount(experts.numpy(), minlength=8), a[:, w])
-        seen.append(pos)
-    allpos = torch.cat(seen).sort().values
-    assert torch.equal(allpos, torch.arange(ids.numel()))
-
-
-def test_worker_partials_sum_to_the_monolithic_layer():
+def test_worker_partials_sum_to_the_monolithic_layer_under_plans_with_copies():
     model = tiny("qwen3_moe")
     info = read_model_info(model)
-    shape = ClusterShape(num_experts=info.num_experts, num_workers=2, num_layers=len(info.moe_layers), top_k=info.top_k)
-    shard = ExpertShard(model, "cpu", shape.primary_owner)
+    shape = ClusterShape(num_experts=info.num_experts, num_workers=2, num_layers=len(info.moe_layers),
+                         top_k=info.top_k, m_tile=1, redundant_slots=2)
+    shards = [ExpertShard(model, "cpu", shape, w) for w in range(2)]
+    w13, w2 = shards[0].host[0]
+    policy = make_policy("afore", shape, SchedulerParams(copy_budget=4), CostModel(window_ms=1e3))
     torch.manual_seed(0)
-    n = 24
-    hidden = torch.randn(n, info.hidden_size)
-    ids = torch.stack([torch.randperm(info.num_experts)[: info.top_k] for _ in range(n)]).to(torch.int32)
-    weights = torch.rand(n, info.top_k)
-    want = torch.zeros(n, info.hidden_size)
-    for t in range(n):  # dense reference: sum_k w_k * expert_k(x)
-        for j in range(info.top_k):
-            e = int(ids[t, j])
-            g, u = (shard.w13[0][e] @ hidden[t]).chunk(2)
-            want[t] += weights[t, j] * (shard.w2[0][e] @ (torch.nn.functional.silu(g) * u))
-    demand = count_demand(ids, info.num_experts).numpy()
-    plans = [primary_only_plan(shape, demand, Target(0, 0, 0), 0)]
-    spread = primary_only_plan(shape, demand, Target(0, 0, 0), 0)
-    spread.assignment = _random_plan(shape, demand, np.random.default_rng(1)).astype(np.int32)
-    plans.append(spread)
-    for plan in plans:
-        got = sum(shard.forward(0, hidden, ids, weights, plan, w) for w in range(2))
+    copies = 0
+    for seq in range(4):
+        n = 24
+        hidden = torch.randn(n, info.hidden_size)
+        # skewed routing: every token picks expert 0 (a primary of worker 0), so plans replicate it
+        rest = torch.stack([torch.randperm(info.num_experts - 1)[: info.top_k - 1] + 1 for _ in range(n)])
+        ids = torch.cat([torch.zeros(n, 1, dtype=torch.int64), rest], dim=1).to(torch.int32)
+        weights = torch.rand(n, info.top_k)
+        want = torch.zeros(n, info.hidden_size)
+        for t in range(n):  # dense reference: sum_k w_k * expert_k(x)
+            for j in range(info.top_k):
+                e = int(ids[t, j])
+                g, u = (w13[e] @ hidden[t]).chunk(2)
+                want[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
+        demand = count_demand(ids, info.num_experts).numpy()
+        plan = policy.plan(Observation(Target(seq, 0, 0), seq, demand))
+        check_plan(shape, plan)
+        copies += len(plan.copies)
+        got = sum(shards[w].forward(0, hidden, ids, weights, plan) for w in range(2))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert copies > 0, "the skewed demand should have produced replica copies"
+    assert all(s.rejected == 0 for s in shards)
 
 
 def _ffn_echo(link: FFNLink, scale: float, stop: threading.Event, fail_seq: int = -1) -> None:
