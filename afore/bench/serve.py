@@ -495,8 +495,11 @@ def run(args: argparse.Namespace) -> int:
             results, wall = asyncio.run(run_load(url, model, prompts, args.concurrency, ignore_eos,
                                                  args.request_timeout, policy))
         except RuntimeError as exc:
+            # One policy that cannot run (server refuses the switch, launch fails) must not
+            # lose the others' measurements: record it and go on.
             print(f"afore bench serve: policy {policy}: {exc}", file=sys.stderr)
-            return 1
+            runs[policy] = {"error": str(exc)}
+            continue
         finally:
             if process is not None:
                 stop_server(process)
@@ -510,9 +513,11 @@ def run(args: argparse.Namespace) -> int:
         "launch": args.launch, "serve_args": args.serve_args, "seed": args.seed,
         "prompt_output_lens": [p.output_len for p in prompts],
     }
-    write_serve_report(args.name, settings, runs, out_dir)
-    failed = sum(r["failed"] for r in runs.values())
-    return 1 if failed else 0
+    measured = {p: r for p, r in runs.items() if "error" not in r}
+    if measured:
+        write_serve_report(args.name, settings, runs, out_dir)
+    failed = sum(r.get("failed", 0) for r in measured.values())
+    return 1 if failed or len(measured) < len(runs) else 0
 
 
 def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir: Path | None) -> dict:
@@ -520,9 +525,10 @@ def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir
     from afore.bench.report import markdown_table, write_report
 
     headers = ["policy", "ok/total", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "E2E p50 ms"]
+    measured = {p: r for p, r in runs.items() if "error" not in r}
     rows = [[p, f"{r['completed']}/{r['requests']}", r["request_throughput"], r["output_throughput"],
              _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p95"]), _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p95"]),
-             _fmt(r["e2e_ms"]["p50"])] for p, r in runs.items()]
+             _fmt(r["e2e_ms"]["p50"])] for p, r in measured.items()]
     markdown = (
         f"# afore bench serve\n\nData set {settings['dataset']}, {settings['num_prompts']} prompts, "
         f"concurrency {settings['concurrency']}, max tokens {settings['max_tokens']}, "
@@ -530,10 +536,13 @@ def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir
         f"{' (launched per policy: ' + (settings['serve_args'] or 'defaults') + ')' if settings['launch'] else ''}.\n\n"
         + markdown_table(headers, rows) + "\n"
     )
-    errors = {p: r["errors"] for p, r in runs.items() if r["errors"]}
+    not_run = {p: r["error"] for p, r in runs.items() if "error" in r}
+    if not_run:
+        markdown += "\nNot measured:\n\n" + "\n".join(f"- {p}: {e}" for p, e in not_run.items()) + "\n"
+    errors = {p: r["errors"] for p, r in measured.items() if r["errors"]}
     if errors:
         markdown += "\nErrors (first few per policy):\n\n" + "\n".join(f"- {p}: {e}" for p, es in errors.items() for e in es) + "\n"
-    return write_report(name, {"settings": settings, "runs": runs}, markdown, _figure(runs), out_dir)
+    return write_report(name, {"settings": settings, "runs": runs}, markdown, _figure(measured), out_dir)
 
 
 def _figure(runs: dict[str, dict]):

@@ -2,7 +2,7 @@
 
 /v1/completions streams ``max_tokens`` chunks: the first after ``--first-delay`` s, the
 others ``--itl`` s apart, then a usage chunk and ``[DONE]``. A prompt containing ``FAIL``
-gets HTTP 400. ``--policy-endpoint`` adds POST /afore/policy. GET /fake/stats reports what
+gets HTTP 400; ``--policy broken`` exits at start. ``--policy-endpoint`` adds POST /afore/policy. GET /fake/stats reports what
 the server saw (policies set, requests, the largest number in flight, ignore_eos values).
 """
 
@@ -73,4 +73,6 @@ if __name__ == "__main__":
     parser.add_argument("--itl", type=float, default=0.005)
     parser.add_argument("--policy-endpoint", action="store_true")
     args = parser.parse_args()
+    if args.policy == "broken":  # lets tests see a server that fails to start
+        raise SystemExit(2)
     web.run_app(make_app(args), host=args.host, port=args.port, print=None)

@@ -111,12 +111,13 @@ def test_server_without_policy_switch_is_a_clear_error(fake_server, tmp_path, ca
     assert not (tmp_path / "out" / "serve.json").exists()
 
 
-def test_launch_starts_and_stops_one_server_per_policy(tmp_path):
+def test_launch_starts_and_stops_one_server_per_policy(tmp_path, monkeypatch):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     data = _gsm8k_file(tmp_path / "gsm8k.jsonl", 3)
-    args = _args(url, tmp_path, data, policies="static,eplb", num_prompts=3, warmup=0, max_tokens=4, launch=True,
-                 serve_command=f"{sys.executable} {FAKE}", serve_args="--first-delay 0 --itl 0", ready_timeout=30)
+    args = _args(url, tmp_path, data, policies="static,broken,eplb", num_prompts=3, warmup=0, max_tokens=4,
+                 launch=True, serve_command=f"{sys.executable} {FAKE}", serve_args="--first-delay 0 --itl 0",
+                 ready_timeout=30)
     seen = []
     real_run_load = serve.run_load
 
@@ -124,16 +125,17 @@ def test_launch_starts_and_stops_one_server_per_policy(tmp_path):
         seen.append(_get(f"{url_}/fake/stats")["launched_policy"])
         return await real_run_load(url_, *rest, **kwargs)
 
-    serve.run_load, saved = spying_run_load, serve.run_load
-    try:
-        assert serve.run(args) == 0
-    finally:
-        serve.run_load = saved
+    monkeypatch.setattr(serve, "run_load", spying_run_load)
+    assert serve.run(args) == 1  # one policy could not run
     assert seen == ["static", "eplb"]
     with pytest.raises(OSError):  # the last server was stopped
         _get(f"{url}/v1/models")
     log = (tmp_path / "out" / "serve-server.log").read_text()
-    assert log.count("--policy static") == 1 and log.count("--policy eplb") == 1
+    assert [log.count(f"--policy {p}") for p in ("static", "broken", "eplb")] == [1, 1, 1]
+    report = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert report["runs"]["static"]["completed"] == report["runs"]["eplb"]["completed"] == 3
+    assert "exited with code 2" in report["runs"]["broken"]["error"]
+    assert "- broken: server exited with code 2" in (tmp_path / "out" / "serve.md").read_text()
 
 
 def test_default_admin_endpoint_is_the_next_port():
