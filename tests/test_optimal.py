@@ -1,0 +1,145 @@
+"""The MILP certifier against brute force on small instances, and the greedy against the MILP."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.scheduler import algorithm
+from afore.scheduler.optimal import certify, check_tiles_feasible, lower_bounds, tile_counts
+from afore.scheduler.plan import SlotTable, Target
+
+
+def brute_force(shape, demand, table, protected, budget):
+    """Minimum max tile load by enumerating every redundant placement and every tile split."""
+    E, F, R = shape.num_experts, shape.num_workers, shape.redundant_slots
+    k = tile_counts(shape, demand)
+    owner = shape.primary_owner
+    per_worker = []
+    for w in range(F):
+        fixed = {int(table.expert[w, r]) for r in range(R) if protected[w, r] and table.expert[w, r] >= 0}
+        cap = R - int(np.sum(protected[w] & (table.expert[w] < 0)))
+        others = [e for e in range(E) if owner[e] != w and e not in fixed]
+        options = []
+        for n in range(0, cap - len(fixed) + 1):
+            for extra in itertools.combinations(others, n):
+                options.append(fixed | set(extra))
+        per_worker.append(options)
+    best = None
+    for choice in itertools.product(*per_worker):
+        new = sum(len(s - {int(x) for x in table.expert[w] if x >= 0}) for w, s in enumerate(choice))
+        if new > budget:
+            continue
+        hosts = [[owner[e]] + [w for w in range(F) if e in choice[w]] for e in range(E)]
+        splits = []
+        for e in range(E):
+            opts = []
+            for parts in itertools.product(range(int(k[e]) + 1), repeat=len(hosts[e])):
+                if sum(parts) == k[e]:
+                    opts.append(parts)
+            splits.append(opts)
+        for combo in itertools.product(*splits):
+            load = [0] * F
+            for e, parts in enumerate(combo):
+                for w, n in zip(hosts[e], parts):
+                    load[w] += n
+            value = max(load)
+            if best is None or value < best:
+                best = value
+    return best
+
+
+def _instance(seed):
+    rng = np.random.default_rng(seed)
+    E, F, R = int(rng.integers(2, 5)), int(rng.integers(2, 4)), 1
+    shape = ClusterShape(num_experts=E, num_workers=F, redundant_slots=R, m_tile=4, top_k=1)
+    demand = rng.integers(0, 13, E) * rng.integers(0, 2, E)
+    table = SlotTable.empty(shape)
+    protected = np.zeros((F, R), bool)
+    owner = shape.primary_owner
+    for w in range(F):
+        if rng.random() < 0.5:
+            candidates = [e for e in range(E) if owner[e] != w]
+            table.expert[w, 0] = int(rng.choice(candidates))
+            protected[w, 0] = rng.random() < 0.5
+    return shape, demand, table, protected, int(rng.integers(0, 3))
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_milp_matches_brute_force(seed):
+    shape, demand, table, protected, budget = _instance(seed)
+    params = SchedulerParams(theta=0, copy_budget=budget)
+    cert = certify(shape, demand, table, protected, params, time_limit_s=10)
+    assert cert.status == "optimal"
+    assert cert.optimum == brute_force(shape, demand, table, protected, budget)
+    assert cert.lower_bound <= cert.optimum
+    # the returned solution is feasible and achieves the optimum
+    check_tiles_feasible(shape, tile_counts(shape, demand), table, protected, budget, cert.tiles)
+    assert cert.tiles.sum(axis=0).max() == cert.optimum
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), theta=st.integers(0, 2))
+def test_greedy_never_beats_the_optimum(seed, theta):
+    shape, demand, table, protected, budget = _instance(seed)
+    params = SchedulerParams(theta=theta, copy_budget=budget)
+    plan, _ = algorithm.schedule(shape, demand, table, protected, None, params, CostModel(window_ms=1e3),
+                                 Target(0, 0, 0), 1)
+    cert = certify(shape, demand, table, protected, params, time_limit_s=10, incumbent=plan.tiles)
+    assert cert.status == "optimal"
+    assert plan.max_tile_load >= cert.optimum
+    assert cert.optimum == brute_force(shape, demand, table, protected, budget)
+
+
+def test_bound_short_circuit_and_larger_instance():
+    shape = ClusterShape(num_experts=32, num_workers=4, redundant_slots=2, m_tile=16)
+    rng = np.random.default_rng(3)
+    demand = rng.integers(0, 400, 32)
+    table = SlotTable.empty(shape)
+    protected = np.zeros((4, 2), bool)
+    params = SchedulerParams(theta=0, copy_budget=4)
+    plan, _ = algorithm.schedule(shape, demand, table, protected, None, params, CostModel(window_ms=1e3), Target(0, 0, 0), 0)
+    cert = certify(shape, demand, table, protected, params, incumbent=plan.tiles)
+    lb = lower_bounds(shape, tile_counts(shape, demand), table, protected, 4)
+    assert cert.optimum >= lb
+    if plan.max_tile_load == lb:
+        assert cert.method == "bound"
+    assert cert.optimum <= plan.max_tile_load
+    assert cert.gap(plan.max_tile_load) == pytest.approx((plan.max_tile_load - cert.optimum) / cert.optimum)
+
+
+def test_one_hot_expert_bound():
+    # one expert holds all demand: the optimum spreads it over 1 + B workers
+    shape = ClusterShape(num_experts=8, num_workers=4, redundant_slots=1, m_tile=1, top_k=1)
+    demand = np.zeros(8, np.int64)
+    demand[0] = 12
+    table, protected = SlotTable.empty(shape), np.zeros((4, 1), bool)
+    for budget, expected in [(0, 12), (1, 6), (2, 4), (3, 3), (8, 3)]:
+        cert = certify(shape, demand, table, protected, SchedulerParams(copy_budget=budget))
+        assert cert.optimum == expected
+
+
+def test_protected_binding_stays_and_blocks_slot():
+    shape = ClusterShape(num_experts=4, num_workers=2, redundant_slots=1, m_tile=1, top_k=1)
+    demand = np.array([10, 0, 0, 0])
+    table = SlotTable.empty(shape)
+    table.expert[1, 0] = 1  # expert 1 (idle) sits in worker 1's only slot
+    free = certify(shape, demand, table, np.zeros((2, 1), bool), SchedulerParams(copy_budget=1))
+    locked = certify(shape, demand, table, np.ones((2, 1), bool), SchedulerParams(copy_budget=1))
+    assert free.optimum == 5 and locked.optimum == 10
+
+
+def test_bad_inputs():
+    shape = ClusterShape(num_experts=4, num_workers=2, redundant_slots=1, top_k=2)
+    table = SlotTable.empty(shape)
+    with pytest.raises(ValueError, match="demand"):
+        certify(shape, [1, 2, 3], table, np.zeros((2, 1), bool), SchedulerParams())
+    with pytest.raises(ValueError, match="protected"):
+        certify(shape, [1, 2, 3, 4], table, np.zeros((3, 1), bool), SchedulerParams())
+    with pytest.raises(ValueError, match="time_limit_s"):
+        certify(shape, [1, 2, 3, 4], table, np.zeros((2, 1), bool), SchedulerParams(), time_limit_s=0)
+    with pytest.raises(ValueError, match="incumbent"):
+        certify(shape, [16, 0, 0, 0], table, np.zeros((2, 1), bool), SchedulerParams(), incumbent=np.zeros((4, 2), int))
