@@ -26,7 +26,8 @@ from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.prefetch.mailbox import DemandMailbox
 from afore.prefetch.receiver import DemandReceiver
 from afore.scheduler.metrics import SchedulerMetrics
-from afore.scheduler.plan import Plan, Target, primary_only_plan
+from afore.scheduler.plan import Target
+from afore.scheduler.policies import Observation, make_policy
 from afore.scheduler.plan_ring import PlanRing, PublishTimeout
 
 log = logging.getLogger(__name__)
@@ -77,26 +78,9 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("ring: expected a segment name different from mailbox")
 
 
-class _PrimaryOnlyPolicy:
-    """Used only while ``afore.scheduler.policies.make_policy`` is not available in this build."""
-
-    def __init__(self, shape: ClusterShape):
-        self.shape = shape
-
-    def plan(self, obs) -> Plan:
-        return primary_only_plan(self.shape, obs.demand, obs.target, obs.seq)
-
-
 def make_service_policy(name: str, shape: ClusterShape, params: SchedulerParams, cost: CostModel):
-    """(policy, observation type): the registry's policy, or primary-only if the registry is absent."""
-    try:
-        from afore.scheduler import policies
-        make_policy, observation = policies.make_policy, policies.Observation
-    except (ImportError, AttributeError):
-        log.warning("afore.scheduler.policies.make_policy is not available: planning primary-only")
-        from collections import namedtuple
-        return _PrimaryOnlyPolicy(shape), namedtuple("Observation", "target seq demand")
-    return make_policy(name, shape, params, cost), observation
+    """The registry's policy ``name`` (``afore.scheduler.policies``)."""
+    return make_policy(name, shape, params, cost)
 
 
 class SchedulerService:
@@ -105,8 +89,7 @@ class SchedulerService:
     def __init__(self, config: ServiceConfig, policy=None):
         self.config = config
         c = config
-        self.policy, self._observation = (policy, _default_observation()) if policy is not None else \
-            make_service_policy(c.policy, c.shape, c.params, c.cost)
+        self.policy = policy if policy is not None else make_service_policy(c.policy, c.shape, c.params, c.cost)
         self.mailbox = DemandMailbox.create(c.mailbox, c.shape, c.num_producers, c.num_microbatches,
                                             c.mailbox_capacity, c.deadline_ms / 1e3)
         try:
@@ -183,7 +166,7 @@ class SchedulerService:
         if got is None:
             return 0
         t0 = time.perf_counter()
-        plan = self.policy.plan(self._observation(got.target, got.seq, got.demand))
+        plan = self.policy.plan(Observation(got.target, got.seq, got.demand))
         self.metrics.policy_latency.observe(time.perf_counter() - t0)
         if plan.seq != got.seq or plan.target != got.target:
             raise RuntimeError(f"policy {self.config.policy}: plan for seq {plan.seq} {plan.target}, asked {got.seq} {got.target}")
@@ -209,15 +192,6 @@ class SchedulerService:
         for _seq, published_ns, copied_ns, readers_copied, readers_live in self.ring.collect_latencies():
             if readers_copied and readers_copied >= readers_live:
                 self.metrics.copy_latency.observe((copied_ns - published_ns) * 1e-9)
-
-
-def _default_observation():
-    try:
-        from afore.scheduler.policies import Observation
-        return Observation
-    except ImportError:
-        from collections import namedtuple
-        return namedtuple("Observation", "target seq demand")
 
 
 def scheduler_command(config: ServiceConfig) -> list[str]:

@@ -2,14 +2,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
 import numpy as np
 import pytest
 
-from afore import _shm
 from afore.config import ClusterShape
 from afore.migrator.plan_source import QueuePlanSource, RingPlanSource
 from afore.prefetch.mailbox import DemandMailbox
@@ -33,6 +31,7 @@ def report(producer, target, w):
 def test_service_plans_every_complete_target_and_counts_misses(seg_name):
     cfg = config(seg_name, metrics_port=0)
     service = SchedulerService(cfg).start_thread()
+    assert service.policy.name == "afore"
     while service.metrics_port is None:
         time.sleep(0.01)
     producer = DemandMailbox.attach(cfg.mailbox)

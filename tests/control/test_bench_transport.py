@@ -1,0 +1,30 @@
+import argparse
+import json
+
+import numpy as np
+
+from afore.bench import transport
+
+
+def test_measure_reports_both_paths(tmp_path):
+    parser = argparse.ArgumentParser()
+    transport.add_arguments(parser)
+    args = parser.parse_args(["--producers", "2", "--readers", "2", "--experts", "16", "--iters", "40",
+                              "--warmup", "5", "--gap-us", "10", "--name", "transport_test", "--out-dir", str(tmp_path)])
+    assert transport.run(args) == 0
+    data = json.loads((tmp_path / "transport_test.json").read_text())
+    for path in ("demand_written_to_target_complete", "plan_published_to_all_readers_copied"):
+        lat = data["latency"][path]
+        assert lat["n"] == 40 and 0 < lat["p50_us"] <= lat["p99_us"] <= lat["max_us"]
+    assert data["setup"]["producers"] == 2 and data["setup"]["readers"] == 2
+    assert (tmp_path / "transport_test.md").read_text().count("|") > 10
+    assert (tmp_path / "transport_test.png").stat().st_size > 0
+
+
+def test_sample_plan_is_a_valid_full_plan():
+    from afore.config import ClusterShape
+    from afore.scheduler.plan import check_plan
+    shape = ClusterShape(num_experts=128, num_workers=8, redundant_slots=2, m_tile=16)
+    plan = transport.sample_plan(shape, 3, np.random.default_rng(0))
+    check_plan(shape, plan)
+    assert len(plan.copies) > 8
