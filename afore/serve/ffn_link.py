@@ -231,3 +231,65 @@ class FFNLink:
         for s in self._send:
             s.close(0)
         self._recv.close(0)
+
+
+class PlanDecisions:
+    """Makes every FFN worker apply the same plan to the same target (invariant 3).
+
+    Whether a target's plan arrived in time is a local observation; if each worker decided
+    alone, one could run the scheduler's plan and another the primary-only plan, and the
+    exact partition would count some pairs twice and others never. So FFN worker 0 (the
+    leader) decides per target, "plan" or "primary-only", and pushes the decision to the
+    other workers, which follow it. A plan the leader read stays readable in the plan ring
+    until every live reader has copied it, so followers always find it.
+    """
+
+    def __init__(self, worker: int, control_endpoints: list[str], leader_pid: int = 0):
+        self.worker = worker
+        self.leader_pid = leader_pid
+        self._ctx = zmq.Context.instance()
+        self._socks: list[zmq.Socket] = []
+        self._recv: zmq.Socket | None = None
+        self._decided: dict[int, bool] = {}
+        if worker == 0:
+            for ep in control_endpoints[1:]:
+                s = self._ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 0)
+                s.connect(ep)
+                self._socks.append(s)
+        else:
+            self._recv = self._ctx.socket(zmq.PULL)
+            self._recv.setsockopt(zmq.LINGER, 0)
+            self._recv.bind(control_endpoints[worker])
+
+    @property
+    def leader(self) -> bool:
+        return self.worker == 0
+
+    def announce(self, seq: int, use_plan: bool) -> None:
+        msg = _encoder.encode((seq, use_plan))
+        for s in self._socks:
+            s.send(msg)
+
+    def wait(self, seq: int, timeout_s: float) -> bool:
+        """The leader's decision for ``seq``; PeerDied / TimeoutError instead of waiting forever."""
+        assert self._recv is not None
+        deadline = time.monotonic() + timeout_s
+        while seq not in self._decided:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan decision for target seq {seq} from FFN worker 0 within {timeout_s} s")
+            if self._recv.poll(timeout=100):
+                got_seq, use_plan = msgspec.msgpack.decode(self._recv.recv())
+                self._decided[int(got_seq)] = bool(use_plan)
+            elif not _alive(self.leader_pid):
+                raise PeerDied(f"FFN worker 0 (pid {self.leader_pid}) died; target seq {seq} has no plan decision")
+        for old in [s for s in self._decided if s < seq]:
+            del self._decided[old]
+        return self._decided.pop(seq)
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(0)
+        if self._recv is not None:
+            self._recv.close(0)

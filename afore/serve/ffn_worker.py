@@ -27,7 +27,7 @@ from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator
 from afore.migrator.slot_pool import SlotPool
 from afore.scheduler.plan import Plan, Target, primary_only_plan
-from afore.serve.ffn_link import DTYPES, FFNLink, Request
+from afore.serve.ffn_link import DTYPES, FFNLink, PlanDecisions, Request
 from afore.serve.model_info import load_routed_experts, read_model_info
 
 log = logging.getLogger("afore.ffn_worker")
@@ -44,6 +44,9 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str = "float32"       # expert weights' dtype (the served model's dtype)
     plan_ring: str = ""          # PlanRing segment name ("" = primary-only plans)
     plan_timeout_ms: float = 2.0
+    control_endpoints: list[str] = []  # plan-decision sockets of workers 1..F-1 (entry 0 unused)
+    leader_pid: int = 0
+    decision_timeout_s: float = 60.0
 
 
 class ExpertShard:
@@ -107,16 +110,27 @@ class FFNWorker:
             from afore.migrator.plan_source import RingPlanSource
 
             self.plans = RingPlanSource(cfg.plan_ring, cfg.worker, self.shape)
+        self.decisions = None
+        if self.shape.num_workers > 1 and cfg.control_endpoints:
+            if len(cfg.control_endpoints) != self.shape.num_workers:
+                raise ValueError(f"control_endpoints: expected {self.shape.num_workers} entries, got {len(cfg.control_endpoints)}")
+            self.decisions = PlanDecisions(cfg.worker, cfg.control_endpoints, cfg.leader_pid)
         self.targets = 0
         self.plan_misses = 0
         self.stopping = False
 
     def plan_for(self, target: Target, seq: int, demand: np.ndarray) -> Plan:
         plan = None
-        if self.plans is not None:
+        if self.plans is not None and (self.decisions is None or self.decisions.leader):
             plan = self.plans.get(target, seq, self.cfg.plan_timeout_ms / 1e3)
             if plan is not None and not np.array_equal(plan.demand, demand):
                 plan = None  # a plan for other demand cannot partition these pairs exactly
+            if self.decisions is not None:
+                self.decisions.announce(seq, plan is not None)
+        elif self.decisions is not None and self.decisions.wait(seq, self.cfg.decision_timeout_s):
+            plan = self.plans.get(target, seq, self.cfg.decision_timeout_s) if self.plans is not None else None
+            if plan is None or not np.array_equal(plan.demand, demand):
+                raise RuntimeError(f"target seq {seq}: FFN worker 0 ran the scheduler's plan, this worker cannot read it")
         if plan is None:
             self.plan_misses += 1
             plan = primary_only_plan(self.shape, demand, target, seq)
@@ -148,6 +162,8 @@ class FFNWorker:
                 log.exception("target seq %d failed", requests[0].head.seq)
                 self.link.send_error(requests, f"{type(exc).__name__}: {exc}")
         self.link.close()
+        if self.decisions is not None:
+            self.decisions.close()
 
 
 def main(argv: list[str] | None = None) -> int:

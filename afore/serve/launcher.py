@@ -219,11 +219,13 @@ class Launcher:
 
     def start_ffn_workers(self) -> None:
         opts = self.opts
+        control = [f"ipc://{self.run_dir}/ctl-{w}" for w in range(opts.ffn_workers)]
         for w in range(opts.ffn_workers):
             cfg = FFNWorkerConfig(model=self.model, worker=w, ffn_endpoints=self.ffn_endpoints,
                                   attn_endpoints=self.attn_endpoints, redundant_slots=opts.redundant_slots,
                                   device=opts.device, plan_ring=self.ring_name,
-                                  dtype=serving_dtype(opts.dtype, self.info))
+                                  dtype=serving_dtype(opts.dtype, self.info), control_endpoints=control,
+                                  leader_pid=self.ffn[0].proc.pid if self.ffn else 0)
             env = {**os.environ, **self._device_env(opts.attn_workers + w)}
             proc = subprocess.Popen([sys.executable, "-m", "afore.serve.ffn_worker", "--config", msgspec.json.encode(cfg).decode()],
                                     env=env, preexec_fn=_die_with_parent)

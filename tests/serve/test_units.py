@@ -18,7 +18,7 @@ from afore.attention.role import AttentionRoleConfig, load_from_env
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler.plan import Target, check_plan
 from afore.scheduler.policies import Observation, make_policy
-from afore.serve.ffn_link import AttentionLink, FFNLink, PeerDied
+from afore.serve.ffn_link import AttentionLink, FFNLink, PeerDied, PlanDecisions
 from afore.serve.ffn_worker import ExpertShard
 from afore.serve.launcher import ServeOptions, check_shape
 from afore.serve.model_info import read_model_info
@@ -195,3 +195,29 @@ def test_link_times_out_instead_of_hanging(tmp_path):
             link.recv(0, 1, 4, torch.float32)
     finally:
         link.close()
+
+
+def test_plan_decisions_reach_every_follower_in_any_order(tmp_path):
+    eps = [f"ipc://{tmp_path}/c{w}" for w in range(3)]
+    followers = [PlanDecisions(w, eps, leader_pid=os.getpid()) for w in (1, 2)]
+    leader = PlanDecisions(0, eps)
+    try:
+        for seq, use in ((3, True), (4, False), (5, True)):
+            leader.announce(seq, use)
+        for f in followers:
+            assert f.wait(4, 5.0) is False
+            assert f.wait(5, 5.0) is True
+    finally:
+        for d in followers + [leader]:
+            d.close()
+
+
+def test_plan_decision_wait_fails_fast_when_the_leader_died(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    follower = PlanDecisions(1, [f"ipc://{tmp_path}/c0", f"ipc://{tmp_path}/c1"], leader_pid=dead.pid)
+    try:
+        with pytest.raises(PeerDied):
+            follower.wait(0, 30.0)
+    finally:
+        follower.close()
