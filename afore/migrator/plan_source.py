@@ -1,6 +1,7 @@
 """PlanSource: how an FFN worker gets the plan of a target.
 
-``get(target, seq, timeout_s) -> Plan | None``. ``None`` means no valid plan in time (the
+``get(target, seq, timeout_s) -> Plan | None``, for increasing ``seq``: a source hands each plan
+to each worker once (the ring acknowledges it), so a worker keeps the plan it got. ``None`` means no valid plan in time (the
 scheduler is late, dead, the plan was missed, stale or corrupted): the caller runs the target
 on ``primary_only_plan`` and counts a miss (DESIGN.md invariant 5). ``misses`` counts them here
 too, so a worker can report it.
