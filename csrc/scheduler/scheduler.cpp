@@ -32,6 +32,17 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 [[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
 
+// OR of all values: negative iff some value is. No early exit, so it vectorises (the build
+// is -O2, where GCC does not vectorise by itself); A[t-1] is E*F values read on every call.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("tree-vectorize")))
+#endif
+int32_t or_all(const int32_t* values, int64_t n) {
+  int32_t bits = 0;
+  for (int64_t i = 0; i < n; ++i) bits |= values[i];
+  return bits;
+}
+
 }  // namespace
 
 Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant_slots,
@@ -123,11 +134,13 @@ void Scheduler::validate(const ScheduleInputs& in) {
   for (int64_t i = 0; i < F_ * R_; ++i)
     if (in.table_last_used[i] < -1)
       fail("slot_table.last_used: expected values >= -1, got " + std::to_string(in.table_last_used[i]));
-  if (in.prev_assignment != nullptr)
-    for (int64_t i = 0; i < E_ * F_; ++i)
-      if (in.prev_assignment[i] < 0)
-        fail("prev_assignment: expected counts in [0, " + std::to_string(kInt32Max) + "], got " +
-             std::to_string(in.prev_assignment[i]));
+  if (in.prev_assignment != nullptr) {
+    if (or_all(in.prev_assignment, E_ * F_) < 0) {
+      const int32_t bad = *std::min_element(in.prev_assignment, in.prev_assignment + E_ * F_);
+      fail("prev_assignment: expected counts in [0, " + std::to_string(kInt32Max) + "], got " +
+           std::to_string(bad));
+    }
+  }
 }
 
 void Scheduler::add_replica(int32_t e, int32_t w) {
@@ -298,7 +311,8 @@ bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t&
     const int32_t n_on = on_count_[donor];
     // The first receiver in scan order that a movable expert reaches.
     int32_t receiver = -1;
-    for (int32_t j = 0; j < n_on; ++j) {
+    const int32_t first = receivers_[0];
+    for (int32_t j = 0; j < n_on && receiver != first; ++j) {
       const int32_t x = on[j];
       if (tiles_[x * F_ + donor] <= theta) continue;
       const int32_t* reps = &rep_[x * F_];
