@@ -166,10 +166,17 @@ class SchedulerService:
         if got is None:
             return 0
         t0 = time.perf_counter()
-        plan = self.policy.plan(Observation(got.target, got.seq, got.demand))
+        try:
+            plan = self.policy.plan(Observation(got.target, got.seq, got.demand))
+            if plan.seq != got.seq or plan.target != got.target:
+                raise RuntimeError(f"plan for seq {plan.seq} {plan.target}, asked for seq {got.seq} {got.target}")
+        except Exception:
+            # One bad target must not stop planning: its workers run it primary-only (invariant 5).
+            log.exception("policy %s failed on seq %d %s", self.config.policy, got.seq, got.target)
+            self.metrics.misses.labels("policy_error").inc()
+            self.missed += 1
+            return 0
         self.metrics.policy_latency.observe(time.perf_counter() - t0)
-        if plan.seq != got.seq or plan.target != got.target:
-            raise RuntimeError(f"policy {self.config.policy}: plan for seq {plan.seq} {plan.target}, asked {got.seq} {got.target}")
         try:
             self.ring.publish(plan, timeout_s=self.config.liveness_timeout_s * 2 + 1.0)
         except PublishTimeout as exc:

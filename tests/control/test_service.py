@@ -164,3 +164,36 @@ def test_status_clean_removes_stale_segments(seg_name):
     assert f"removed stale segment {name}" in out.stdout
     assert not os.path.exists(f"/dev/shm/{name}")
     assert afore("status", name).returncode == 1
+
+
+class _FailingOnOddSteps:
+    name = "failing"
+
+    def __init__(self):
+        from afore.config import CostModel, SchedulerParams
+        from afore.scheduler.policies import make_policy
+        self.inner = make_policy("afore", SHAPE, SchedulerParams(), CostModel())
+
+    def plan(self, obs):
+        if obs.target.step % 2:
+            raise FloatingPointError("policy bug")
+        return self.inner.plan(obs)
+
+
+def test_a_policy_error_costs_one_target_not_the_service(seg_name):
+    cfg = config(seg_name)
+    service = SchedulerService(cfg, policy=_FailingOnOddSteps()).start_thread()
+    producer = DemandMailbox.attach(cfg.mailbox)
+    source = RingPlanSource(cfg.ring, 0, SHAPE)
+    try:
+        got = []
+        for step in range(4):
+            for w in range(2):
+                report(producer, Target(step, 0, 0), w)
+            got.append(source.get(Target(step, 0, 0), step * 2, timeout_s=2.0 if step % 2 == 0 else 0.3))
+        assert [p is not None for p in got] == [True, False, True, False]
+        assert 'afore_scheduler_misses_total{reason="policy_error"} 2.0' in service.metrics.render()
+    finally:
+        source.close()
+        producer.close()
+        service.stop()
