@@ -258,8 +258,8 @@ def replicate_predicted(shape: ClusterShape, predicted_tiles: np.ndarray, table:
     Estimated load spreads each expert's predicted tiles evenly over its replicas. Up to
     ``budget`` times: take the expert with the largest share on the most loaded worker and add a
     replica on the least loaded worker that lacks it and has a safe slot (unprotected, not
-    reserved in this call, empty or holding an expert with no predicted work there); keep the
-    replica only if the estimated maximum load drops.
+    reserved in this call; empty first, else the one whose expert has the least predicted work
+    there, then least recently used); keep the replica only if the estimated maximum load drops.
     """
     owner = shape.primary_owner
     kp = np.asarray(predicted_tiles, np.float64)
@@ -278,12 +278,11 @@ def replicate_predicted(shape: ClusterShape, predicted_tiles: np.ndarray, table:
         if candidates.size == 0:
             break
         e = int(candidates[np.argmax(share[candidates, h])])
-        busy = (share > 0).astype(np.int64)
         best = None
         for c in np.argsort(load, kind="stable"):
             if has[e, c]:
                 continue
-            r = free_slot(binding, table.last_used, protected | reserved, busy, int(c))
+            r = _evictable_slot(binding, table.last_used, protected | reserved, share, int(c))
             if r is not None:
                 best = (int(c), r)
                 break
@@ -302,3 +301,12 @@ def replicate_predicted(shape: ClusterShape, predicted_tiles: np.ndarray, table:
         reserved[c, r] = True
         has, share, load = trial, new_share, new_load
     return binding
+
+
+def _evictable_slot(binding: np.ndarray, last_used: np.ndarray, blocked: np.ndarray, share: np.ndarray, w: int) -> int | None:
+    """Slot of worker w for a predicted replica: empty first, else least predicted work, then LRU."""
+    slots = [r for r in range(binding.shape[1]) if not blocked[w, r]]
+    if not slots:
+        return None
+    return min(slots, key=lambda r: (binding[w, r] >= 0, 0.0 if binding[w, r] < 0 else share[binding[w, r], w],
+                                     int(last_used[w, r]), r))
