@@ -54,7 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _pin(core: int | None) -> None:
     if core is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {core})
+        try:
+            os.sched_setaffinity(0, {core})
+        except OSError:  # sandboxed kernels may refuse: run unpinned
+            pass
 
 
 def _go_array(name: str) -> tuple[shared_memory.SharedMemory, np.ndarray]:

@@ -18,6 +18,7 @@ ValueError on anything else: random or truncated bytes never crash and never han
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 
@@ -132,6 +133,8 @@ def decode_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
     demand, rest = body[:e], body[e:]
     assignment, tiles, slot = rest[:ef].reshape(e, f), rest[ef:2 * ef].reshape(e, f), rest[2 * ef:3 * ef].reshape(e, f)
     tile_load, copies = rest[3 * ef:3 * ef + f], rest[3 * ef + f:].reshape(c, 4)
+    if body[:e + 2 * ef].min(initial=0) < 0:
+        raise ValueError("plan: negative demand, assignment or tiles")
     _check_ranges(shape, demand, assignment, tiles, slot, tile_load, copies)
     return Plan(Target(header.step, header.layer, header.microbatch), header.seq, demand.astype(np.int64),
                 slot >= 0, assignment, tiles, slot, copies, tile_load,
@@ -140,20 +143,22 @@ def decode_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
 
 def _check_ranges(shape, demand, assignment, tiles, slot, tile_load, copies) -> None:
     """Vectorised sanity checks: a plan that passes its checksum but could index out of bounds."""
-    k_max = int(shape.slots_per_worker.max())
-    if demand.min(initial=0) < 0 or assignment.min(initial=0) < 0 or tiles.min(initial=0) < 0:
-        raise ValueError("plan: negative demand, assignment or tiles")
-    if not np.array_equal(assignment.sum(axis=1, dtype=np.int64), demand.astype(np.int64)):
+    k_max = _max_slots(shape.num_experts, shape.num_workers, shape.redundant_slots)
+    if not np.array_equal(assignment.sum(axis=1, dtype=np.int64), demand):
         raise ValueError("plan.assignment: rows do not sum to demand")
     if slot.min(initial=-1) < -1 or slot.max(initial=-1) >= k_max:
         raise ValueError(f"plan.slot: expected values in [-1, {k_max})")
     if not np.array_equal(tile_load, tiles.sum(axis=0, dtype=np.int64)):
         raise ValueError("plan.tile_load: not the column sums of tiles")
     if len(copies):
-        ex, src, dst, dslot = copies.T
-        if (ex.min() < 0 or ex.max() >= shape.num_experts or min(src.min(), dst.min()) < 0
-                or max(src.max(), dst.max()) >= shape.num_workers or dslot.min() < 0 or dslot.max() >= k_max):
+        upper = np.array([shape.num_experts, shape.num_workers, shape.num_workers, k_max], np.int32)
+        if copies.min() < 0 or np.any(copies >= upper):
             raise ValueError("plan.copies: expert, worker or slot out of range")
+
+
+@functools.lru_cache(maxsize=64)
+def _max_slots(num_experts: int, num_workers: int, redundant_slots: int) -> int:
+    return -(-num_experts // num_workers) + redundant_slots
 
 
 def _pad4(n: int) -> int:
