@@ -1,0 +1,45 @@
+"""`afore bench scheduler` on a tiny subset, and the shared report writer."""
+
+import json
+
+import matplotlib
+import pytest
+
+from afore.bench.report import markdown_table, write_report
+from afore.cli import main
+
+matplotlib.use("Agg")
+
+
+def test_write_report(tmp_path):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    paths = write_report("demo", {"x": [1, 2]}, "# Demo\n\n" + markdown_table(["a", "b"], [[1, 2.345678]]), fig, out_dir=tmp_path)
+    doc = json.loads(paths["json"].read_text())
+    assert doc["x"] == [1, 2] and "command" in doc["meta"]
+    md = paths["md"].read_text()
+    assert "| a | b |" in md and "2.346" in md and "Command:" in md
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="name"):
+        write_report("../x", {}, "", out_dir=tmp_path)
+
+
+def test_bench_scheduler_tiny(tmp_path):
+    rc = main(["bench", "scheduler", "--quick", "--eps", "4", "--targets-per-workload", "3", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "scheduler-quick.json").read_text())
+    (ep,) = doc["per_ep"]
+    assert ep["ep"] == 4 and ep["targets"] == len(doc["targets"]) >= 3
+    assert ep["core_matches_reference"] == ep["targets"]
+    for t in doc["targets"]:
+        assert t["optimum"] is None or t["greedy"] >= t["optimum"] >= t["lower_bound"]
+        assert t["core_ns"] > 0 and t["reference_ns"] > 0
+    assert set(ep["policies"]) >= {"static", "afore", "eplb", "harmoeny", "lina", "libra"}
+    assert ep["policies"]["afore"]["max_mean_tile_load"] <= ep["policies"]["static"]["max_mean_tile_load"]
+    assert (tmp_path / "scheduler-quick.png").exists() and "Quality" in (tmp_path / "scheduler-quick.md").read_text()
+
+
+def test_bench_scheduler_bad_arguments(capsys):
+    assert main(["bench", "scheduler", "--eps", "0"]) == 2
+    assert "eps" in capsys.readouterr().err
