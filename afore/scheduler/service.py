@@ -106,10 +106,14 @@ class SchedulerService:
         self.published = 0
         self.missed = 0
         self._closed = False
+        self._endpoints_started = False
 
     # ---- lifecycle
     def start_endpoints(self) -> None:
-        """Start the metrics HTTP server and the demand receiver, as configured."""
+        """Start the metrics HTTP server and the demand receiver, as configured (once)."""
+        if self._endpoints_started:
+            return
+        self._endpoints_started = True
         c = self.config
         if c.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(c.metrics_port)

@@ -162,6 +162,8 @@ nb::tuple result_tuple(RingReader::Result&& r) {
 }  // namespace
 
 NB_MODULE(_shm, m) {
+  // Handles owned by daemon threads (demand receiver) may outlive the interpreter's teardown.
+  nb::set_leak_warnings(false);
   m.doc() = "afore shared-memory control plane: demand mailbox and plan ring (C++ atomics in /dev/shm)";
   m.attr("FORMAT_VERSION") = kFormatVersion;
   m.attr("MAGIC") = kMagic;

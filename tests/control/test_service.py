@@ -1,6 +1,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -11,6 +12,7 @@ import pytest
 from afore.config import ClusterShape
 from afore.migrator.plan_source import QueuePlanSource, RingPlanSource
 from afore.prefetch.mailbox import DemandMailbox
+from afore.prefetch.receiver import DemandClient
 from afore.scheduler.plan import Target, check_plan, primary_only_plan
 from afore.scheduler.service import SchedulerService, ServiceConfig, start_scheduler_process
 from afore.scheduler.service_cli import parse_shape
@@ -127,14 +129,28 @@ def test_afore_cli_dispatches_status_and_scheduler():
 
 
 def test_cli_scheduler_status_and_sigterm_cleanup(seg_name):
-    cfg = config(seg_name, listen="127.0.0.1:0", token="t0k")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(seg_name, listen=f"127.0.0.1:{port}", token="t0k")
     proc = start_scheduler_process(cfg, stderr=subprocess.PIPE, text=True)
     try:
         source = RingPlanSource(cfg.ring, 1, SHAPE)
         producer = DemandMailbox.attach(cfg.mailbox)
-        for w in range(2):
-            report(producer, Target(0, 1, 0), w)
-        assert source.get(Target(0, 1, 0), 1, timeout_s=10.0) is not None
+        report(producer, Target(0, 1, 0), 0)  # worker 0 on the FFN node: shared memory
+        deadline = time.monotonic() + 10
+        while True:  # worker 1 on another node: TCP through the service's receiver
+            try:
+                client = DemandClient("127.0.0.1", port, "t0k")
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        client.put(Target(0, 1, 0), 1, np.arange(16, dtype=np.int32) * 2)
+        plan = source.get(Target(0, 1, 0), 1, timeout_s=10.0)
+        assert plan is not None
+        np.testing.assert_array_equal(plan.demand, np.arange(16) * 3)
+        client.close()
         out = afore("status", cfg.mailbox, cfg.ring)
         assert out.returncode == 0
         assert f"{cfg.ring}: plan_ring v1 ready, owner pid {proc.pid} alive" in out.stdout
