@@ -128,13 +128,24 @@ class FFNWorker:
             if self.decisions is not None:
                 self.decisions.announce(seq, plan is not None)
         elif self.decisions is not None and self.decisions.wait(seq, self.cfg.decision_timeout_s):
-            plan = self.plans.get(target, seq, self.cfg.decision_timeout_s) if self.plans is not None else None
+            plan = self._follow(target, seq)
             if plan is None or not np.array_equal(plan.demand, demand):
                 raise RuntimeError(f"target seq {seq}: FFN worker 0 ran the scheduler's plan, this worker cannot read it")
         if plan is None:
             self.plan_misses += 1
             plan = primary_only_plan(self.shape, demand, target, seq)
         return plan
+
+    def _follow(self, target: Target, seq: int) -> Plan | None:
+        """The plan worker 0 ran; retried because a miss is what makes the source re-attach
+        to a restarted scheduler's ring (this worker may not have read since the restart)."""
+        if self.plans is None:
+            return None
+        deadline = time.monotonic() + self.cfg.decision_timeout_s
+        while True:
+            plan = self.plans.get(target, seq, 0.05)
+            if plan is not None or time.monotonic() > deadline:
+                return plan
 
     def step(self, requests: list[Request]) -> None:
         head = requests[0].head
