@@ -10,8 +10,9 @@ more (a later target completed first, or its deadline passed) is dropped and cou
 the FFN side then runs it on the primary-only assignment (DESIGN.md invariant 5).
 
 Full policy: ``put`` blocks up to ``timeout_s`` while the worker's ring is full, then drops the
-report, counts it (``dropped_full``) and returns False. The ring only fills when the scheduler
-is stalled or gone; serving goes on without plans. If the scheduler was restarted (the segment
+report, counts it (``dropped_full``) and returns False; if the scheduler has not polled for a
+second it drops at once. The ring only fills when the scheduler is stalled or gone; serving
+goes on without plans. If the scheduler was restarted (the segment
 was replaced), the producer re-attaches to the new segment and retries once.
 
 Bad input (wrong length, negative counts, unknown worker/layer/microbatch, a duplicate or

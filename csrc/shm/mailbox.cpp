@@ -226,6 +226,12 @@ bool MailboxProducer::put(int64_t step, int32_t layer, int32_t microbatch, int32
   if (now > beat + 1000000000ULL && seg_.replaced()) return false;
   uint64_t head = r->head.load(std::memory_order_relaxed);
   if (head - r->tail.load(std::memory_order_acquire) >= layout_.capacity) {
+    // A consumer silent for a second is not coming back soon: drop at once rather than stall
+    // the attention worker on every report (serving must not depend on the scheduler).
+    if (now > beat + 1000000000ULL) {
+      r->dropped_full.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
     uint64_t start = monotonic_ns();
     Backoff backoff(std::min<uint64_t>(timeout_ns, 50000));
     while (head - r->tail.load(std::memory_order_acquire) >= layout_.capacity) {

@@ -1,6 +1,7 @@
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -184,3 +185,16 @@ def test_producer_reattaches_after_the_scheduler_restarts(seg_name):
     got = second.wait_complete(1.0)
     assert got.target == Target(0, 0, 1)
     second.close()
+
+
+def test_full_ring_of_a_silent_scheduler_drops_without_waiting(seg_name):
+    mb = DemandMailbox.create(seg_name("silent"), SHAPE, 1, capacity=2)
+    producer = DemandMailbox.attach(mb.name)
+    for step in range(2):
+        assert producer.put(Target(step, 0, 0), 0, counts(step))
+    time.sleep(1.1)  # the scheduler stops polling
+    t0 = time.monotonic()
+    assert not producer.put(Target(2, 0, 0), 0, counts(2), timeout_s=5.0)
+    assert time.monotonic() - t0 < 0.5
+    assert mb.stats()["producers"][0]["dropped_full"] == 1
+    mb.close()
