@@ -152,8 +152,9 @@ def build_workloads(config: dict) -> list[dict]:
     for name in synth_names:
         spec = SyntheticSpec(workload=name, tokens=tokens, steps=steps, num_layers=6, microbatches=mbs,
                              top_k=TOP_K, num_experts=NUM_EXPERTS, seed=config["seed"])
-        workloads.append({"name": f"synthetic-{name}", "kind": "synthetic", "source": generate(spec).source,
-                          "counts": generate(spec).counts.astype(np.int64)})
+        trace = generate(spec)
+        workloads.append({"name": f"synthetic-{name}", "kind": "synthetic", "source": trace.source,
+                          "counts": trace.counts.astype(np.int64)})
     per = config["targets_per_workload"]
     if per is None:
         per = (10 if config["quick"] else (25 if real is not None else 50))

@@ -27,6 +27,7 @@ from afore.scheduler.policies.base import (LayerState, Policy, assign_over_place
 @register("afore")
 class AforePolicy(Policy):
     OPTIONS = {"impl": "core"}
+    CHECK_BY_DEFAULT = False
 
     def __init__(self, *args, **options) -> None:
         super().__init__(*args, **options)
