@@ -445,6 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-command", default=None,
                         help="command that --launch runs instead of `afore serve` (one string; gets --policy --host --port)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a launched server")
+    parser.add_argument("--note", default="", help="free text for the markdown report (hardware, model, caveats)")
     parser.add_argument("--name", default="serve", help="report file stem under --out (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="report directory (default bench/results/)")
 
@@ -510,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "url": url, "dataset": args.dataset, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "output_len": args.output_len, "ignore_eos": ignore_eos,
-        "launch": args.launch, "serve_args": args.serve_args, "seed": args.seed,
+        "launch": args.launch, "serve_args": args.serve_args, "seed": args.seed, "note": args.note,
         "prompt_output_lens": [p.output_len for p in prompts],
     }
     measured = {p: r for p, r in runs.items() if "error" not in r}
@@ -534,6 +535,7 @@ def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir
         f"concurrency {settings['concurrency']}, max tokens {settings['max_tokens']}, "
         f"ignore EOS {settings['ignore_eos']}, server {settings['url']}"
         f"{' (launched per policy: ' + (settings['serve_args'] or 'defaults') + ')' if settings['launch'] else ''}.\n\n"
+        + (f"{settings['note']}\n\n" if settings.get("note") else "")
         + markdown_table(headers, rows) + "\n"
     )
     not_run = {p: r["error"] for p, r in runs.items() if "error" in r}
