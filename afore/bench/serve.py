@@ -37,6 +37,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -478,12 +479,14 @@ def run(args: argparse.Namespace) -> int:
     ignore_eos = not args.no_ignore_eos
     runs: dict[str, dict] = {}
     out_dir = args.out
-    log_path = Path(out_dir or ".") / f"{args.name}-server.log"
+    # Launched servers' output: beside the report with --out, else in the temp dir (never in the repo).
+    log_path = (out_dir or Path(tempfile.gettempdir())) / f"{args.name}-server.log"
     for policy in policies:
         process = None
         try:
             if args.launch:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
+                print(f"afore bench serve: starting server for {policy} (log: {log_path})", file=sys.stderr)
                 process = launch_server(url, policy, shlex.split(args.serve_args), log_path,
                                         shlex.split(args.serve_command) if args.serve_command else None)
                 wait_ready(url, args.ready_timeout, process)
