@@ -82,6 +82,7 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   receiver_pos_.resize(F_);
   safe_list_.resize(F_);
   safe_slot_.assign(F_, -1);
+  stuck_.assign(F_, 0);
   copies_into_.assign(F_, 0);
   moves_.reserve(F_ * R_);
   remainder_.assign(F_, 0);
@@ -163,7 +164,7 @@ void Scheduler::remove_replica(int32_t e, int32_t w) {
 void Scheduler::add_tiles(int32_t e, int32_t w, int64_t n) {
   const int64_t idx = e * F_ + w;
   const int64_t before = tiles_[idx], after = before + n;
-  tiles_[idx] = after;
+  tiles_[idx] = static_cast<int32_t>(after);
   if (before == 0 && after > 0) {
     on_pos_[idx] = on_count_[w];
     on_[w * E_ + on_count_[w]++] = e;
@@ -299,14 +300,33 @@ void Scheduler::initialize(const ScheduleInputs& in) {
   }
 }
 
+// A donor without a move stays without one until its own tiles or load change or the load of
+// a replica worker of one of its movable experts drops: after a move (e, h, c, q) that is h
+// (lower load) and donors h and c themselves; c's load only rose. unstick_after_move clears
+// exactly those flags, so skipping stuck donors never changes the result.
+void Scheduler::unstick_after_move(int64_t theta, int32_t h, int32_t c) {
+  stuck_[h] = 0;
+  stuck_[c] = 0;
+  const auto unstick_holders = [&](int32_t x) {
+    const int32_t* reps = &rep_[x * F_];
+    for (int32_t i = 0; i < rep_count_[x]; ++i)
+      if (tiles_[x * F_ + reps[i]] > theta) stuck_[reps[i]] = 0;
+  };
+  const int64_t first = std::lower_bound(owner_.begin(), owner_.end(), h) - owner_.begin();
+  for (int64_t x = first; x < first + pcount_[h]; ++x) unstick_holders(static_cast<int32_t>(x));
+  for (int64_t r = 0; r < R_; ++r)
+    if (binding_[h * R_ + r] >= 0) unstick_holders(binding_[h * R_ + r]);
+}
+
 bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c,
-                                 int64_t& q) const {
+                                 int64_t& q) {
   const int64_t need = 2 * theta + 2;  // floor(gap / 2) > theta  <=>  gap >= 2 theta + 2
   const int64_t min_load = load_[receivers_[0]];
   for (int64_t i = 0; i < F_; ++i) {
     const int32_t donor = donors_[i];
     const int64_t donor_load = load_[donor];
     if (donor_load - min_load < need) break;  // no lighter receiver left for this or later donors
+    if (stuck_[donor]) continue;
     const int32_t* on = &on_[donor * E_];
     const int32_t n_on = on_count_[donor];
     // The first receiver in scan order that a movable expert reaches.
@@ -321,9 +341,11 @@ bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t&
         if (w != donor && (receiver < 0 || receiver_before(w, receiver))) receiver = w;
       }
     }
-    if (receiver < 0) continue;
-    const int64_t gap = donor_load - load_[receiver];
-    if (gap < need) continue;
+    const int64_t gap = receiver < 0 ? 0 : donor_load - load_[receiver];
+    if (gap < need) {
+      stuck_[donor] = 1;
+      continue;
+    }
     const int64_t half = gap / 2;
     int32_t best = -1;
     int64_t best_q = 0;
@@ -366,15 +388,9 @@ bool Scheduler::find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& 
                                  int32_t& r, int64_t& q) {
   const int64_t theta = in.theta;
   const int64_t need = 2 * theta + 2;
-  int64_t n_safe = 0;
-  for (int64_t i = 0; i < F_; ++i) {
-    const int32_t w = receivers_[i];
-    const int32_t s = safe_slot(w, in);
-    if (s >= 0) {
-      safe_list_[n_safe++] = w;
-      safe_slot_[w] = s;
-    }
-  }
+  int64_t n_safe = 0;  // safe_slot_ is current: refreshed for the two workers of each move
+  for (int64_t i = 0; i < F_; ++i)
+    if (safe_slot_[receivers_[i]] >= 0) safe_list_[n_safe++] = receivers_[i];
   if (n_safe == 0) return false;
   const int64_t min_load = load_[safe_list_[0]];
   for (int64_t i = 0; i < F_; ++i) {
@@ -422,8 +438,10 @@ void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
 
   // Stage 2: rebalancing within the placement.
   within_moves_ = 0;
+  std::fill(stuck_.begin(), stuck_.end(), 0);
   while (find_within_move(theta, e, h, c, q)) {
     move_tiles(e, h, c, q);
+    unstick_after_move(theta, h, c);
     ++within_moves_;
   }
 
@@ -435,6 +453,8 @@ void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
   int64_t max_into = 0;
   moves_.clear();
   const int64_t budget = std::min(in.copy_budget, F_ * R_);  // each copy reserves a distinct slot
+  if (budget > 0)
+    for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
   while (static_cast<int64_t>(moves_.size()) < budget && find_beyond_move(in, e, h, c, r, q)) {
     const int32_t old = binding_[c * R_ + r];
     if (old >= 0) remove_replica(old, c);
@@ -444,6 +464,9 @@ void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
     max_into = std::max(max_into, ++copies_into_[c]);
     moves_.push_back(Move{e, h, c, r, old, q});
     move_tiles(e, h, c, q);
+    // Only c (binding, reservation, tiles) and h (tiles) changed their safe slot.
+    safe_slot_[c] = safe_slot(c, in);
+    safe_slot_[h] = safe_slot(h, in);
     const double exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
     const double gain = f0 - beta * static_cast<double>(load_[donors_[0]]) - exposed;
     if (gain > best_gain) {

@@ -64,7 +64,8 @@ class Scheduler {
 
   void validate(const ScheduleInputs& in);
   void initialize(const ScheduleInputs& in);
-  bool find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c, int64_t& q) const;
+  bool find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c, int64_t& q);
+  void unstick_after_move(int64_t theta, int32_t h, int32_t c);
   int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
   bool find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& h, int32_t& c,
                         int32_t& r, int64_t& q);
@@ -91,7 +92,7 @@ class Scheduler {
   std::vector<int32_t> pcount_;       // [F] primaries per worker
 
   std::vector<int64_t> k_;            // [E] tiles per expert
-  std::vector<int64_t> tiles_;        // [E*F] N, zero outside this call
+  std::vector<int32_t> tiles_;        // [E*F] N (< 2**31: demand is), zero outside this call
   std::vector<uint8_t> has_;          // [E*F] placement, zero outside this call
   std::vector<int64_t> load_;         // [F] T
   std::vector<int32_t> binding_;      // [F*R]
@@ -107,7 +108,8 @@ class Scheduler {
   std::vector<int32_t> donor_pos_, receiver_pos_;  // [F]
 
   std::vector<int32_t> safe_list_;    // [F] receivers with a safe slot, in receiver order
-  std::vector<int32_t> safe_slot_;    // [F]
+  std::vector<int32_t> safe_slot_;    // [F] cached safe slot of each worker (-1: none)
+  std::vector<uint8_t> stuck_;        // [F] donor known to have no within move
   std::vector<int64_t> copies_into_;  // [F]
   std::vector<Move> moves_;           // capacity F*R
   std::vector<int64_t> remainder_;    // [F] scratch for largest remainder
