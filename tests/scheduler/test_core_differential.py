@@ -199,3 +199,18 @@ def test_core_schedule_bench_times_the_same_plan():
     both(*args)  # the scratch is clean after repeated runs
     with pytest.raises(ValueError, match="repeats: expected >= 1"):
         scheduler.schedule_bench(*core.core_arguments(*args), 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_core_equals_reference_at_large_scale(seed):
+    # Many workers and experts: the core's shortcuts (stuck donors, cached safe slots) matter most.
+    rng = np.random.default_rng(seed)
+    shape = ClusterShape(num_experts=256, num_workers=128, redundant_slots=4, m_tile=16, top_k=8)
+    table = random_table(rng, shape, 0.8)
+    protected = rng.random((128, 4)) < 0.2
+    prev = None if seed == 0 else (rng.integers(0, 100, (256, 128)) * (rng.random((256, 128)) < 0.05)).astype(np.int32)
+    demand = random_demand(rng, 256, "zipf", 8 * 4096)
+    plan, _ = both(shape, demand, table, protected, prev, SchedulerParams(copy_budget=128),
+                   CostModel(window_ms=1.0), Target(0, 0, 0), 0)
+    assert len(plan.copies) > 0
+    assert core.scheduler_for(shape).last_within_moves > 0
