@@ -429,8 +429,11 @@ bool Scheduler::find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& 
   return false;
 }
 
-void Scheduler::run(const ScheduleInputs& in, ScheduleOutputs& out) {
-  validate(in);
+void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
+  validate(inputs);
+  // Tile counts are < 2**31, so a larger theta acts like 2**31 (and 2 theta + 2 cannot overflow).
+  ScheduleInputs in = inputs;
+  in.theta = std::min<int64_t>(in.theta, int64_t{1} << 31);
   initialize(in);
   const int64_t theta = in.theta;
   int32_t e, h, c, r;
