@@ -239,9 +239,8 @@ class PlanDecisions:
     Whether a target's plan arrived in time is a local observation; if each worker decided
     alone, one could run the scheduler's plan and another the primary-only plan, and the
     exact partition would count some pairs twice and others never. So FFN worker 0 (the
-    leader) decides per target, "plan" or "primary-only", and pushes the decision to the
-    other workers, which follow it. A plan the leader read stays readable in the plan ring
-    until every live reader has copied it, so followers always find it.
+    leader) alone reads the plan ring and decides per target; it pushes the decision with
+    the encoded plan (or nothing = primary-only) to the other workers, which apply it.
     """
 
     def __init__(self, worker: int, control_endpoints: list[str], leader_pid: int = 0):
@@ -250,7 +249,7 @@ class PlanDecisions:
         self._ctx = zmq.Context.instance()
         self._socks: list[zmq.Socket] = []
         self._recv: zmq.Socket | None = None
-        self._decided: dict[int, bool] = {}
+        self._decided: dict[int, bytes] = {}
         if worker == 0:
             for ep in control_endpoints[1:]:
                 s = self._ctx.socket(zmq.PUSH)
@@ -267,21 +266,22 @@ class PlanDecisions:
     def leader(self) -> bool:
         return self.worker == 0
 
-    def announce(self, seq: int, use_plan: bool) -> None:
-        msg = _encoder.encode((seq, use_plan))
+    def announce(self, seq: int, plan: bytes) -> None:
+        """Tell the followers which plan target ``seq`` runs: encoded plan, or b"" = primary-only."""
+        msg = _encoder.encode((seq, plan))
         for s in self._socks:
             s.send(msg)
 
-    def wait(self, seq: int, timeout_s: float) -> bool:
-        """The leader's decision for ``seq``; PeerDied / TimeoutError instead of waiting forever."""
+    def wait(self, seq: int, timeout_s: float) -> bytes:
+        """The leader's decision for ``seq`` (as announced); PeerDied / TimeoutError, never a hang."""
         assert self._recv is not None
         deadline = time.monotonic() + timeout_s
         while seq not in self._decided:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no plan decision for target seq {seq} from FFN worker 0 within {timeout_s} s")
             if self._recv.poll(timeout=100):
-                got_seq, use_plan = msgspec.msgpack.decode(self._recv.recv())
-                self._decided[int(got_seq)] = bool(use_plan)
+                got_seq, plan = msgspec.msgpack.decode(self._recv.recv())
+                self._decided[int(got_seq)] = bytes(plan)
             elif not _alive(self.leader_pid):
                 raise PeerDied(f"FFN worker 0 (pid {self.leader_pid}) died; target seq {seq} has no plan decision")
         for old in [s for s in self._decided if s < seq]:

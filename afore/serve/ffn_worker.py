@@ -27,6 +27,7 @@ from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator
 from afore.migrator.slot_pool import SlotPool
 from afore.scheduler.plan import Plan, Target, primary_only_plan
+from afore.scheduler.plan_codec import decode_plan, encode_plan
 from afore.serve.ffn_link import DTYPES, FFNLink, PlanDecisions, Request
 from afore.serve.model_info import load_routed_experts, read_model_info
 
@@ -106,7 +107,7 @@ class FFNWorker:
         self.shard = ExpertShard(cfg.model, cfg.device, self.shape, cfg.worker, DTYPES[cfg.dtype])
         self.link = FFNLink(cfg.worker, cfg.ffn_endpoints[cfg.worker], cfg.attn_endpoints)
         self.plans = None
-        if cfg.plan_ring:
+        if cfg.plan_ring and cfg.worker == 0:  # the leader alone reads plans (PlanDecisions)
             from afore.migrator.plan_source import RingPlanSource
 
             self.plans = RingPlanSource(cfg.plan_ring, cfg.worker, self.shape)
@@ -121,31 +122,22 @@ class FFNWorker:
 
     def plan_for(self, target: Target, seq: int, demand: np.ndarray) -> Plan:
         plan = None
-        if self.plans is not None and (self.decisions is None or self.decisions.leader):
+        if self.decisions is not None and not self.decisions.leader:
+            data = self.decisions.wait(seq, self.cfg.decision_timeout_s)
+            if data:
+                plan = decode_plan(data, self.shape)
+                if plan.seq != seq or plan.target != target or not np.array_equal(plan.demand, demand):
+                    raise RuntimeError(f"target seq {seq}: FFN worker 0 announced a plan for seq {plan.seq} {plan.target}")
+        elif self.plans is not None:
             plan = self.plans.get(target, seq, self.cfg.plan_timeout_ms / 1e3)
             if plan is not None and not np.array_equal(plan.demand, demand):
                 plan = None  # a plan for other demand cannot partition these pairs exactly
-            if self.decisions is not None:
-                self.decisions.announce(seq, plan is not None)
-        elif self.decisions is not None and self.decisions.wait(seq, self.cfg.decision_timeout_s):
-            plan = self._follow(target, seq)
-            if plan is None or not np.array_equal(plan.demand, demand):
-                raise RuntimeError(f"target seq {seq}: FFN worker 0 ran the scheduler's plan, this worker cannot read it")
+        if self.decisions is not None and self.decisions.leader:
+            self.decisions.announce(seq, encode_plan(plan) if plan is not None else b"")
         if plan is None:
             self.plan_misses += 1
             plan = primary_only_plan(self.shape, demand, target, seq)
         return plan
-
-    def _follow(self, target: Target, seq: int) -> Plan | None:
-        """The plan worker 0 ran; retried because a miss is what makes the source re-attach
-        to a restarted scheduler's ring (this worker may not have read since the restart)."""
-        if self.plans is None:
-            return None
-        deadline = time.monotonic() + self.cfg.decision_timeout_s
-        while True:
-            plan = self.plans.get(target, seq, 0.05)
-            if plan is not None or time.monotonic() > deadline:
-                return plan
 
     def step(self, requests: list[Request]) -> None:
         head = requests[0].head

@@ -202,11 +202,11 @@ def test_plan_decisions_reach_every_follower_in_any_order(tmp_path):
     followers = [PlanDecisions(w, eps, leader_pid=os.getpid()) for w in (1, 2)]
     leader = PlanDecisions(0, eps)
     try:
-        for seq, use in ((3, True), (4, False), (5, True)):
-            leader.announce(seq, use)
+        for seq, plan in ((3, b"p3"), (4, b""), (5, b"p5")):
+            leader.announce(seq, plan)
         for f in followers:
-            assert f.wait(4, 5.0) is False
-            assert f.wait(5, 5.0) is True
+            assert f.wait(4, 5.0) == b""
+            assert f.wait(5, 5.0) == b"p5"
     finally:
         for d in followers + [leader]:
             d.close()
