@@ -89,15 +89,15 @@ def check_inputs(shape: ClusterShape, demand: object, table: SlotTable, protecte
     if not isinstance(table, SlotTable):
         raise ValueError(f"slot_table: expected a SlotTable, got {type(table).__name__}")
     f, r = shape.num_workers, shape.redundant_slots
-    expert = _integer_matrix(table.expert, "slot_table.expert", (f, r))
-    last_used = _integer_matrix(table.last_used, "slot_table.last_used", (f, r))
+    expert = check_integer_matrix(table.expert, "slot_table.expert", (f, r))
+    last_used = check_integer_matrix(table.last_used, "slot_table.last_used", (f, r))
     table.check(shape)
     if np.any(last_used < -1):
         raise ValueError(f"slot_table.last_used: expected values >= -1, got {int(last_used.min())}")
     prot = check_protected(protected, (f, r))
     prev = None
     if prev_assignment is not None:
-        prev = _integer_matrix(prev_assignment, "prev_assignment", (shape.num_experts, f))
+        prev = check_integer_matrix(prev_assignment, "prev_assignment", (shape.num_experts, f))
         if np.any(prev < 0) or np.any(prev > INT32_MAX):
             bad = prev[(prev < 0) | (prev > INT32_MAX)][0]
             raise ValueError(f"prev_assignment: expected counts in [0, {INT32_MAX}], got {int(bad)}")
@@ -116,7 +116,8 @@ def check_protected(protected: object, expected: tuple[int, int]) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def _integer_matrix(value: object, field: str, expected: tuple[int, int]) -> np.ndarray:
+def check_integer_matrix(value: object, field: str, expected: tuple[int, int]) -> np.ndarray:
+    """Validate an integer matrix of the expected shape (NaN, non-integer) and return it as int64."""
     arr = np.asarray(value)
     if arr.shape != expected:
         raise ValueError(f"{field}: expected shape {expected}, got {arr.shape}")

@@ -86,7 +86,7 @@ def _matrix(value: object, field: str, expected: tuple[int, int], dtype: type) -
     """A C-contiguous integer matrix of the core's dtype; values are checked in C++."""
     if isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == expected:
         return np.ascontiguousarray(value)
-    arr = algorithm._integer_matrix(value, field, expected)  # shape, NaN, non-integer
+    arr = algorithm.check_integer_matrix(value, field, expected)
     lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
     if arr.size and (arr.min() < lo or arr.max() > hi):
         bad = arr[(arr < lo) | (arr > hi)][0]
