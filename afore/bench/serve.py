@@ -248,8 +248,7 @@ async def stream_completion(session, url: str, model: str, prompt: Prompt, ignor
                 if usage:
                     result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
-                choices = event.get("choices") or []
-                if not any(c.get("text") for c in choices):
+                if not any(_is_token_event(c) for c in event.get("choices") or []):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -268,6 +267,16 @@ async def stream_completion(session, url: str, model: str, prompt: Prompt, ignor
     if not result.ok:
         result.error = "stream ended without any token"
     return result
+
+
+def _is_token_event(choice: dict) -> bool:
+    """Whether a streamed choice reports generated tokens.
+
+    vLLM sends one chunk per engine step even when the step's text is held back (a
+    byte-level token that ends inside a UTF-8 character gives ``text == ""``); a chunk that
+    only closes the stream carries a ``finish_reason`` and no text.
+    """
+    return bool(choice.get("text") or choice.get("token_ids") or choice.get("finish_reason") is None)
 
 
 async def run_load(url: str, model: str, prompts: list[Prompt], concurrency: int, ignore_eos: bool,

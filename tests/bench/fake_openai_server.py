@@ -36,9 +36,15 @@ def make_app(args):
             for i in range(body["max_tokens"]):
                 if i:
                     await asyncio.sleep(args.itl)
+                # A prompt with HELD gets empty text on every step (as vLLM streams tokens that
+                # end inside a UTF-8 character); the last step carries the finish reason.
+                last = i == body["max_tokens"] - 1
+                text = "" if "HELD" in body["prompt"] else f" t{i}"
                 chunk = {"object": "text_completion", "model": body["model"],
-                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                         "choices": [{"index": 0, "text": text, "finish_reason": "length" if last else None}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            closing = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}  # text-less close
+            await resp.write(f"data: {json.dumps(closing)}\n\n".encode())
             usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"].split()),
                                               "completion_tokens": body["max_tokens"]}}
             await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())

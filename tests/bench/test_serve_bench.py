@@ -43,10 +43,11 @@ def fake_server():
         proc.wait(10)
 
 
-def _gsm8k_file(path, n, fail_at=()):
+def _gsm8k_file(path, n, fail_at=(), held_at=()):
     with open(path, "w") as f:
         for i in range(n):
-            question = f"Question {i}: how many apples are {i} plus {i}?" + (" FAIL" if i in fail_at else "")
+            question = f"Question {i}: how many apples are {i} plus {i}?" + (" FAIL" if i in fail_at else "") \
+                + (" HELD" if i in held_at else "")
             f.write(json.dumps({"question": question, "answer": "x" * (8 * (i % 5 + 1))}) + "\n")
     return path
 
@@ -63,7 +64,7 @@ def _args(base_url, tmp_path, dataset_path, **overrides):
 
 def test_policies_are_switched_and_measured(fake_server, tmp_path):
     url = fake_server("--policy-endpoint", "--first-delay", "0.04", "--itl", "0.01")
-    data = _gsm8k_file(tmp_path / "gsm8k.jsonl", 12)
+    data = _gsm8k_file(tmp_path / "gsm8k.jsonl", 12, held_at=(3,))
     args = _args(url, tmp_path, data, policies="static,afore", num_prompts=12, concurrency=4, warmup=1, max_tokens=6)
     assert serve.run(args) == 0
     stats = _get(f"{url}/fake/stats")
