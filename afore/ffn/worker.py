@@ -1,0 +1,266 @@
+"""The FFN worker: one process per GPU (or CPU worker), serving the routed experts of a model.
+
+Loop, per target t (``FFNWorker.step``)::
+
+    receive t                 gathered inputs of all A attention workers (the transport keeps
+                              t+1 queued behind t: the lookahead)
+    plan t                    the plan prepared while t-1 ran, else PlanSource.get(t) until the
+                              deadline; all F workers agree to use it (else primary-only, a miss)
+    read plan t+1, copies     if t+1 has arrived: validate its plan and submit its copies on the
+                              side stream, overlapping t's compute
+    commit, partition, compute, release
+    combine, reply            all-reduce over the FFN workers, rows back to each attention worker
+
+Layers: ``Target.layer`` is the ordinal of the MoE layer (0 = the model's first MoE layer,
+``ModelSpec.moe_layer_indices[layer]`` is its decoder index). Shared experts are not run here:
+they run on the attention worker beside the router, where the hidden states already are
+(no extra transfer, overlapped with the A2F round trip), and they would break the tile
+balance the scheduler computes for routed experts.
+
+CPU workers copy replicas from the layer's routed weights in host memory (every worker maps
+the checkpoint); GPU workers pull from the primary owner's pool over CUDA IPC (``peers``).
+
+Python API (``afore serve`` starts F of these)::
+
+    procs = start_ffn_workers([FFNWorkerConfig(...), ...])   # spawned processes
+    stop_ffn_workers(procs)                                  # SIGTERM, join, kill if stuck
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import time
+
+import msgspec
+import torch
+
+from afore.config import ClusterShape
+from afore.ffn.layer import FFNLayer
+from afore.ffn.metrics import FFNMetrics
+from afore.ffn.partition import bin_counts
+from afore.migrator.copy_engine import make_copy_engine
+from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
+from afore.migrator.slot_pool import SlotPool
+from afore.scheduler.plan import Plan, primary_only_plan
+from afore.transport.connector import FFNConnector, Microbatch, TransportConfig
+
+log = logging.getLogger("afore.ffn.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One FFN worker. ``host:port``: the transport's TCPStore (attention rank 0 hosts it)."""
+
+    rank: int
+    num_ffn: int
+    num_attention: int
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 29600
+    device: str = "cpu"
+    dtype: str = "float32"
+    backend: str = ""                 # "" = gloo on CPU, nccl on CUDA
+    redundant_slots: int = 2
+    m_tile: int = 16
+    plan_ring: str = ""               # PlanRing name; "" = no scheduler (primary-only plans)
+    plan_timeout_ms: float = 5.0      # deadline for a target's plan at commit
+    metrics_port: int = 0             # 0 = no HTTP endpoint
+    copy_delay_ms: float = 0.0        # artificial delay per copy (CPU tests)
+    timeout_s: float = 300.0          # transport timeout
+    depth: int = 2                    # targets queued ahead at the transport (>= 2)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.num_ffn:
+            raise ValueError(f"rank: expected in [0, {self.num_ffn}), got {self.rank}")
+        if self.num_attention < 1:
+            raise ValueError(f"num_attention: expected >= 1, got {self.num_attention}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.backend not in ("", "gloo", "nccl"):
+            raise ValueError(f"backend: expected '', 'gloo' or 'nccl', got {self.backend!r}")
+        if self.plan_timeout_ms < 0 or self.copy_delay_ms < 0:
+            raise ValueError("plan_timeout_ms / copy_delay_ms: expected >= 0")
+        if self.depth < 2:
+            raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
+
+
+class FFNWorker:
+    """State and loop of one FFN worker."""
+
+    def __init__(self, cfg: FFNWorkerConfig, plan_source=None) -> None:
+        from afore.models.checkpoint import load_routed_experts, read_model_spec
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dtype = DTYPES[cfg.dtype]
+        spec = read_model_spec(cfg.model)
+        self.spec = spec
+        if spec.num_experts < cfg.num_ffn:
+            raise ValueError(f"num_ffn: expected at most num_experts={spec.num_experts} FFN workers, got {cfg.num_ffn}")
+        self.shape = ClusterShape(num_experts=spec.num_experts, num_workers=cfg.num_ffn,
+                                  num_layers=len(spec.moe_layer_indices), redundant_slots=cfg.redundant_slots,
+                                  m_tile=cfg.m_tile, top_k=spec.top_k)
+        self.transport = TransportConfig(cfg.host, cfg.port, cfg.num_attention, cfg.num_ffn, spec.hidden_size, spec.top_k,
+                                         dtype, cfg.backend or ("nccl" if self.device.type == "cuda" else "gloo"),
+                                         cfg.timeout_s, cfg.depth)
+        self.pools: dict[int, SlotPool] = {}
+        host_weights = {}
+        for layer, decoder_index in enumerate(spec.moe_layer_indices):
+            weights = load_routed_experts(cfg.model, decoder_index, dtype)
+            pool = SlotPool(self.shape, cfg.rank, spec.hidden_size, spec.moe_intermediate_size, dtype, self.device)
+            pool.load_primaries(weights.w13, weights.w2)
+            self.pools[layer] = pool
+            if self.device.type == "cpu":
+                host_weights[layer] = (weights.w13, weights.w2)
+        if plan_source is None and cfg.plan_ring:
+            # Attach before the transport rendezvous: once the attention side is connected,
+            # every worker reads the ring (a reader sees plans published after it attached).
+            from afore.migrator.plan_source import RingPlanSource
+            from afore.scheduler.plan_ring import wait_for_segment
+
+            wait_for_segment(cfg.plan_ring, cfg.timeout_s)
+            plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape)
+        self.plan_source = plan_source
+        self.connector = FFNConnector(self.transport, cfg.rank, self.device)
+        if self.device.type == "cuda":
+            from afore.migrator.peers import open_peer_pools, publish_pools
+
+            publish_pools(self.connector.store, self.pools)
+            source = PoolSource(self.shape, open_peer_pools(self.connector.store, list(self.pools), cfg.num_ffn, cfg.rank, self.pools))
+        else:
+            source = HostWeightsSource(host_weights)
+        self.migrator = Migrator(self.shape, cfg.rank, self.pools,
+                                 make_copy_engine(self.device, delay_s=cfg.copy_delay_ms / 1e3), source)
+        self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
+        self.metrics = FFNMetrics(cfg.rank)
+        if cfg.metrics_port:
+            self.metrics.serve(cfg.metrics_port + cfg.rank)
+        self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
+        self.stop_event = threading.Event()
+
+    # ------------------------------------------------------------------ plans
+
+    def _read_plan(self, mb: Microbatch, timeout_s: float) -> Plan | None:
+        if self.plan_source is None:
+            return None
+        return self.plan_source.get(mb.target, mb.seq, timeout_s)
+
+    def _plan_for(self, mb: Microbatch) -> Plan:
+        """The plan every worker applies to ``mb``: the scheduler's if all workers have a valid
+        one, else the primary-only plan (counted)."""
+        plan = self._early.pop(mb.seq, None)
+        if plan is None:
+            plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3)
+            if plan is None:
+                self.metrics.plan_misses.inc()
+            elif not self.migrator.prepare(plan, expected_seq=mb.seq, expected_target=mb.target):
+                self.metrics.plans_rejected.inc()
+                log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
+                plan = None
+        ok = self.connector.agree(plan is not None)
+        if ok:
+            return plan
+        if plan is not None:
+            self.migrator.forget(plan)
+        self.metrics.fallbacks.inc()
+        demand = bin_counts(mb.topk_ids.reshape(-1), self.shape.num_experts).cpu().numpy()
+        return primary_only_plan(self.shape, demand, mb.target, mb.seq)
+
+    def _read_ahead(self) -> None:
+        """If the next target already arrived, read its plan now and submit its copies."""
+        nxt = self.connector.peek()
+        if nxt is None or nxt.seq in self._early or self.plan_source is None:
+            return
+        plan = self._read_plan(nxt, 0.0)
+        if plan is not None and not self.migrator.prepare(plan, expected_seq=nxt.seq, expected_target=nxt.target):
+            self.metrics.plans_rejected.inc()
+            plan = None
+        if plan is not None:
+            self._early[nxt.seq] = plan
+
+    # ------------------------------------------------------------------ loop
+
+    def step(self, mb: Microbatch) -> torch.Tensor:
+        """Run one target on this worker and reply; returns this worker's partial output."""
+        t0 = time.perf_counter()
+        self.shape.check_layer(mb.target.layer)
+        layer = self.layers[mb.target.layer]
+        layer.check_inputs(mb.hidden, mb.topk_ids, mb.topk_weights)
+        plan = self._plan_for(mb)
+        self._read_ahead()
+        if not plan.primary_only:
+            self.migrator.commit(plan)
+        partial = layer.forward(mb.hidden, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
+        if not plan.primary_only:
+            self.migrator.release(plan)
+        for record in self.migrator.drain_records():
+            self.metrics.observe(record)
+        self.metrics.targets.inc()
+        self.metrics.queued.set(self.connector.queued)
+        self.connector.send(mb, partial)
+        self.metrics.stage_ms.observe((time.perf_counter() - t0) * 1e3)
+        return partial
+
+    def run(self) -> None:
+        """Serve targets until ``stop_event`` is set (SIGTERM in ``main``)."""
+        while not self.stop_event.is_set():
+            mb = self.connector.recv(timeout_s=0.2)
+            if mb is not None:
+                self.step(mb)
+
+    def close(self) -> None:
+        self.migrator.close()
+        self.connector.close()
+        if self.plan_source is not None:
+            self.plan_source.close()
+
+
+def serve_worker(cfg: FFNWorkerConfig) -> int:
+    """Process body: build the worker, serve until SIGTERM/SIGINT, clean up. Returns the exit code."""
+    worker = FFNWorker(cfg)
+
+    def stop(signum, frame):
+        worker.stop_event.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    return 0
+
+
+def _process_main(cfg_bytes: bytes) -> None:
+    cfg = msgspec.json.decode(cfg_bytes, type=FFNWorkerConfig)
+    raise SystemExit(serve_worker(cfg))
+
+
+def start_ffn_workers(configs: list[FFNWorkerConfig]) -> list[mp.Process]:
+    """Spawn one process per config (fresh interpreters: safe with CUDA)."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for cfg in configs:
+        proc = ctx.Process(target=_process_main, args=(msgspec.json.encode(cfg),), name=f"afore-ffn-{cfg.rank}", daemon=False)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def stop_ffn_workers(procs: list[mp.Process], timeout_s: float = 10.0) -> None:
+    """SIGTERM every worker, wait up to ``timeout_s``, then kill what is left."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)

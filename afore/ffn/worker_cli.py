@@ -1,0 +1,35 @@
+"""``afore ffn-worker``: run one FFN worker until SIGTERM (``afore serve`` starts F of them)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from afore.ffn.worker import DTYPES, FFNWorkerConfig, serve_worker
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rank", type=int, required=True, help="this worker's index in [0, num-ffn)")
+    parser.add_argument("--num-ffn", type=int, required=True, help="F, FFN workers in the pool")
+    parser.add_argument("--num-attention", type=int, required=True, help="A, attention workers sending targets")
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1", help="transport store host (attention rank 0)")
+    parser.add_argument("--port", type=int, default=29600, help="transport store port")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:<index> (one GPU per worker)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--backend", choices=("", "gloo", "nccl"), default="", help="default: gloo on CPU, nccl on CUDA")
+    parser.add_argument("--redundant-slots", type=int, default=2, help="R, redundant slots per layer")
+    parser.add_argument("--m-tile", type=int, default=16)
+    parser.add_argument("--plan-ring", default="", help="the scheduler's PlanRing name (none: primary-only plans)")
+    parser.add_argument("--plan-timeout-ms", type=float, default=5.0)
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics on this port + rank (0: off)")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="transport timeout")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = FFNWorkerConfig(rank=args.rank, num_ffn=args.num_ffn, num_attention=args.num_attention, model=args.model,
+                          host=args.host, port=args.port, device=args.device, dtype=args.dtype, backend=args.backend,
+                          redundant_slots=args.redundant_slots, m_tile=args.m_tile, plan_ring=args.plan_ring,
+                          plan_timeout_ms=args.plan_timeout_ms, metrics_port=args.metrics_port, timeout_s=args.timeout_s)
+    return serve_worker(cfg)

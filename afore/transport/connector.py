@@ -1,0 +1,360 @@
+"""A2F / F2A connector over ``torch.distributed``, in afore's own process groups.
+
+Topology: A attention workers (ranks 0..A-1) and F FFN workers (ranks A..A+F-1) meet at one
+TCPStore; every process builds its process groups directly from it
+(``ProcessGroupGloo`` / ``ProcessGroupNCCL`` objects over a ``PrefixStore``), so nothing here
+touches the default group or vLLM's groups. A and F are independent (F > A works).
+
+Groups: ``a2f`` (all A+F ranks; requests), ``f2a`` (all A+F ranks; replies) and ``ffn`` (the F
+FFN workers; the combine). Separate request and reply groups let the FFN side receive target
+t+1 on its receive thread while the model thread replies to target t.
+
+Attention side (the vLLM plugin's whole API; one object per attention worker)::
+
+    conn = AttentionConnector(TransportConfig(...), attn_rank)
+    out = conn.exchange(target, seq, hidden, topk_ids, topk_weights)     # [n, H] combined output
+    # or, two microbatches in flight:
+    h0 = conn.send(t0, s0, ...); h1 = conn.send(t1, s1, ...); out0 = conn.recv(h0); out1 = conn.recv(h1)
+    conn.close()
+
+``hidden`` [n, H] in the configured dtype, ``topk_ids`` int32 [n, k], ``topk_weights`` fp32
+[n, k]; n may differ per attention worker and may be 0. Replies arrive in send order.
+
+FFN side: ``FFNConnector.recv()`` returns the next target's ``Microbatch``, gathered from all A
+attention workers in attention-rank order (a background thread keeps up to ``depth`` targets
+queued: the lookahead); ``FFNConnector.send(mb, partial)`` sums the F workers' partial outputs
+(all-reduce over ``ffn``) and sends attention worker a its rows from FFN worker a % F.
+
+Wire format per message: an int64 header [magic, seq, step, layer, microbatch, n, H, k, dtype]
+followed, when n > 0, by hidden, ids and weights (replies: the output). A header that does
+not match the configuration (hidden size, top_k, dtype, or a target that differs between the
+attention workers) raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import queue
+import threading
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from afore.scheduler.plan import Target
+
+MAGIC = 0xAF0E
+HEADER_LEN = 9
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """Everything both sides must agree on. ``backend``: gloo (CPU tensors) or nccl (CUDA)."""
+
+    host: str
+    port: int
+    num_attention: int
+    num_ffn: int
+    hidden: int
+    top_k: int
+    dtype: torch.dtype = torch.float32
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+    depth: int = 2          # targets the FFN side may hold ahead (>= 2: the lookahead window)
+    max_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("num_attention", "num_ffn", "hidden", "top_k", "depth", "max_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: expected 'gloo' or 'nccl', got {self.backend!r}")
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype: expected one of {list(DTYPE_CODES)}, got {self.dtype}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: expected in [1, 65535], got {self.port}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention + self.num_ffn
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One target's inputs at the FFN side, gathered in attention-rank order."""
+
+    target: Target
+    seq: int
+    hidden: torch.Tensor        # [N, H], N = sum of splits
+    topk_ids: torch.Tensor      # int32 [N, k]
+    topk_weights: torch.Tensor  # fp32 [N, k]
+    splits: list[int]           # rows per attention worker
+    arrived: float = 0.0        # time.perf_counter() when the last part arrived
+
+
+class PendingExchange(Protocol):
+    target: Target
+    seq: int
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class _Pending:
+    target: Target
+    seq: int
+    num_tokens: int
+    works: list
+
+
+def _store(cfg: TransportConfig, rank: int) -> dist.TCPStore:
+    return dist.TCPStore(cfg.host, cfg.port, world_size=None, is_master=rank == 0,
+                         timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+
+
+def _group(cfg: TransportConfig, store: dist.Store, name: str, rank: int, size: int, device: torch.device):
+    prefixed = dist.PrefixStore(f"afore/transport/{name}", store)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if cfg.backend == "gloo":
+        from afore.transport.gloo import gloo_group
+
+        return gloo_group(prefixed, rank, size, timeout)
+    from afore.transport.nccl import nccl_group
+
+    return nccl_group(prefixed, rank, size, timeout, device)
+
+
+def _header(seq: int, target: Target, n: int, cfg: TransportConfig) -> torch.Tensor:
+    return torch.tensor([MAGIC, seq, target.step, target.layer, target.microbatch, n, cfg.hidden, cfg.top_k,
+                         DTYPE_CODES[cfg.dtype]], dtype=torch.int64)
+
+
+def check_header(header: torch.Tensor, cfg: TransportConfig, source: str) -> tuple[int, Target, int]:
+    """(seq, target, n) of a received header; ValueError naming the field on any mismatch."""
+    h = header.tolist()
+    if len(h) != HEADER_LEN or h[0] != MAGIC:
+        raise ValueError(f"{source}: header.magic: expected {MAGIC:#x}, got {h[0] if h else None!r} (not an afore transport message)")
+    _, seq, step, layer, mb, n, hidden, k, code = h
+    if hidden != cfg.hidden:
+        raise ValueError(f"{source}: hidden: expected size {cfg.hidden}, got {hidden}")
+    if k != cfg.top_k:
+        raise ValueError(f"{source}: top_k: expected {cfg.top_k}, got {k}")
+    if code != DTYPE_CODES[cfg.dtype]:
+        raise ValueError(f"{source}: dtype: expected {cfg.dtype}, got {CODE_DTYPES.get(code, code)}")
+    if not 0 <= n <= cfg.max_tokens:
+        raise ValueError(f"{source}: num_tokens: expected in [0, {cfg.max_tokens}], got {n}")
+    if seq < 0 or min(step, layer, mb) < 0:
+        raise ValueError(f"{source}: target: expected non-negative seq/step/layer/microbatch, got {h[1:5]}")
+    return seq, Target(step, layer, mb), n
+
+
+def check_inputs(cfg: TransportConfig, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
+    """Validate one attention worker's tensors; returns n."""
+    if hidden.dim() != 2 or hidden.shape[1] != cfg.hidden:
+        raise ValueError(f"hidden: expected shape [n, {cfg.hidden}], got {tuple(hidden.shape)}")
+    if hidden.dtype != cfg.dtype:
+        raise ValueError(f"hidden: expected dtype {cfg.dtype}, got {hidden.dtype}")
+    n = hidden.shape[0]
+    if tuple(topk_ids.shape) != (n, cfg.top_k) or topk_ids.dtype != torch.int32:
+        raise ValueError(f"topk_ids: expected int32 [{n}, {cfg.top_k}], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != (n, cfg.top_k) or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights: expected float32 [{n}, {cfg.top_k}], got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if n > cfg.max_tokens:
+        raise ValueError(f"hidden: expected at most {cfg.max_tokens} tokens, got {n}")
+    return n
+
+
+class AttentionConnector:
+    """Attention worker ``attn_rank``'s end: send a target's tokens, receive their combined output."""
+
+    def __init__(self, cfg: TransportConfig, attn_rank: int, device: torch.device | str = "cpu") -> None:
+        if not 0 <= attn_rank < cfg.num_attention:
+            raise ValueError(f"attn_rank: expected in [0, {cfg.num_attention}), got {attn_rank}")
+        self.cfg = cfg
+        self.rank = attn_rank
+        self.device = torch.device(device)
+        self.store = _store(cfg, attn_rank)
+        self.a2f = _group(cfg, self.store, "a2f", attn_rank, cfg.world_size, self.device)
+        self.f2a = _group(cfg, self.store, "f2a", attn_rank, cfg.world_size, self.device)
+        self.replier = cfg.num_attention + attn_rank % cfg.num_ffn
+        self._pending: list[_Pending] = []
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device).contiguous()
+
+    def send(self, target: Target, seq: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor) -> _Pending:
+        """Post one target's tokens to every FFN worker (non-blocking); returns the handle for ``recv``."""
+        n = check_inputs(self.cfg, hidden, topk_ids, topk_weights)
+        header = self._dev(_header(seq, target, n, self.cfg))
+        parts = [header] + ([self._dev(hidden), self._dev(topk_ids), self._dev(topk_weights)] if n else [])
+        works = []
+        for f in range(self.cfg.num_ffn):
+            for t in parts:
+                works.append(self.a2f.send([t], self.cfg.num_attention + f, 0))
+        pending = _Pending(target, seq, n, works + [parts])  # keep the buffers alive until sent
+        self._pending.append(pending)
+        return pending
+
+    def recv(self, pending: _Pending) -> torch.Tensor:
+        """The combined output [n, H] of ``pending`` (replies come in send order)."""
+        if not self._pending or self._pending[0] is not pending:
+            raise ValueError("pending: expected the oldest outstanding exchange (replies arrive in send order)")
+        self._pending.pop(0)
+        for w in pending.works[:-1]:
+            w.wait()
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self.f2a.recv([header], self.replier, 0).wait()
+        seq, target, n = check_header(header.cpu(), self.cfg, f"reply from FFN rank {self.replier}")
+        if (seq, target, n) != (pending.seq, pending.target, pending.num_tokens):
+            raise ValueError(f"reply: expected seq {pending.seq} {pending.target} with {pending.num_tokens} rows, got seq {seq} {target} with {n}")
+        out = torch.empty(n, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        if n:
+            self.f2a.recv([out], self.replier, 0).wait()
+        return out
+
+    def exchange(self, target: Target, seq: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        """send + recv: the combined routed-expert output [n, H] for these tokens."""
+        return self.recv(self.send(target, seq, hidden, topk_ids, topk_weights))
+
+    def close(self) -> None:
+        for group in (self.a2f, self.f2a):
+            _shutdown(group)
+
+
+class FFNConnector:
+    """FFN worker ``ffn_rank``'s end: gathered targets in, combined output back."""
+
+    def __init__(self, cfg: TransportConfig, ffn_rank: int, device: torch.device | str = "cpu") -> None:
+        if not 0 <= ffn_rank < cfg.num_ffn:
+            raise ValueError(f"ffn_rank: expected in [0, {cfg.num_ffn}), got {ffn_rank}")
+        self.cfg = cfg
+        self.ffn_rank = ffn_rank
+        self.rank = cfg.num_attention + ffn_rank
+        self.device = torch.device(device)
+        self.store = _store(cfg, self.rank)
+        self.a2f = _group(cfg, self.store, "a2f", self.rank, cfg.world_size, self.device)
+        self.f2a = _group(cfg, self.store, "f2a", self.rank, cfg.world_size, self.device)
+        self.ffn = _group(cfg, self.store, "ffn", ffn_rank, cfg.num_ffn, self.device)
+        self.my_attention = [a for a in range(cfg.num_attention) if a % cfg.num_ffn == ffn_rank]
+        self._queue: queue.Queue = queue.Queue(maxsize=cfg.depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive_loop, name=f"afore-a2f-recv-{ffn_rank}", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- receive thread
+
+    def _receive_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._receive_one()
+            except BaseException as exc:  # handed to the model thread at recv()
+                item = exc
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def _receive_one(self) -> Microbatch:
+        cfg = self.cfg
+        parts, key = [], None
+        for a in range(cfg.num_attention):
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            self.a2f.recv([header], a, 0).wait()
+            seq, target, n = check_header(header.cpu(), cfg, f"request from attention rank {a}")
+            if key is None:
+                key = (seq, target)
+            elif (seq, target) != key:
+                raise ValueError(f"request from attention rank {a}: target: expected seq {key[0]} {key[1]} (as attention rank 0), got seq {seq} {target}")
+            hidden = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=self.device)
+            ids = torch.empty(n, cfg.top_k, dtype=torch.int32, device=self.device)
+            weights = torch.empty(n, cfg.top_k, dtype=torch.float32, device=self.device)
+            if n:
+                for t in (hidden, ids, weights):
+                    self.a2f.recv([t], a, 0).wait()
+            parts.append((hidden, ids, weights))
+        return Microbatch(key[1], key[0], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                          torch.cat([p[2] for p in parts]), [p[0].shape[0] for p in parts], time.perf_counter())
+
+    # -------------------------------------------------------------- model thread
+
+    def recv(self, timeout_s: float | None = None) -> Microbatch | None:
+        """The next target's gathered inputs; None on timeout. Re-raises a receive error."""
+        try:
+            item = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def peek(self) -> Microbatch | None:
+        """The target queued after the current one, if it already arrived (for reading its plan early)."""
+        with self._queue.mutex:
+            for item in list(self._queue.queue):
+                if isinstance(item, Microbatch):
+                    return item
+        return None
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def agree(self, flag: bool) -> bool:
+        """True only if every FFN worker passes True (an all-reduce MIN over the FFN group): all
+        workers must apply the same plan to a target, so one worker without it means none use it."""
+        if self.cfg.num_ffn == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.ffn.allreduce([t], opts).wait()
+        return bool(t.item())
+
+    def send(self, mb: Microbatch, partial: torch.Tensor) -> None:
+        """Combine the F partial outputs of ``mb`` and reply to the attention workers this worker serves."""
+        cfg = self.cfg
+        n = sum(mb.splits)
+        if tuple(partial.shape) != (n, cfg.hidden):
+            raise ValueError(f"partial: expected shape [{n}, {cfg.hidden}], got {tuple(partial.shape)}")
+        combined = partial.to(device=self.device, dtype=cfg.dtype).contiguous()
+        if cfg.num_ffn > 1 and n:
+            self.ffn.allreduce([combined]).wait()
+        starts = [0]
+        for s in mb.splits:
+            starts.append(starts[-1] + s)
+        works = []
+        keep = []
+        for a in self.my_attention:
+            rows = combined[starts[a]:starts[a + 1]].contiguous()
+            header = _header(mb.seq, mb.target, rows.shape[0], cfg).to(self.device)
+            keep += [header, rows]
+            works.append(self.f2a.send([header], a, 0))
+            if rows.shape[0]:
+                works.append(self.f2a.send([rows], a, 0))
+        for w in works:
+            w.wait()
+
+    def close(self) -> None:
+        self._stop.set()
+        for group in (self.a2f, self.f2a, self.ffn):
+            _shutdown(group)
+
+
+def _shutdown(group) -> None:
+    for name in ("shutdown", "abort"):
+        fn = getattr(group, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                pass
+            return

@@ -1,0 +1,150 @@
+"""A attention connectors (this process) + F FFN worker processes over gloo, end to end.
+
+Plans come from a real PlanRing (random valid plans, one target left without a plan); the
+combined output of every attention worker must equal the monolithic MoE layer (invariant 1),
+the planless target runs primary-only and is counted (invariant 5), SIGTERM exits cleanly.
+"""
+
+import os
+import socket
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from afore.config import ClusterShape
+from afore.ffn.reference import dense_moe, random_plan, random_routing
+from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
+from afore.scheduler.plan import SlotTable, Target
+from afore.transport.connector import AttentionConnector, TransportConfig
+
+pytestmark = pytest.mark.slow
+M_TILE = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from afore.models.checkpoint import load_routed_experts, read_model_spec
+    from afore.models.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint("qwen3_moe", seed=0)
+    spec = read_model_spec(path)
+    weights = [load_routed_experts(path, i, torch.float32) for i in spec.moe_layer_indices]
+    return str(path), spec, weights
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+@pytest.mark.parametrize("num_attention,num_ffn", [(1, 2), (2, 3)])
+def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn):
+    from afore.scheduler.plan_ring import PlanRing
+
+    path, spec, weights = model
+    layers = len(spec.moe_layer_indices)
+    shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=layers, redundant_slots=2,
+                         m_tile=M_TILE, top_k=spec.top_k)
+    rng = np.random.default_rng(num_attention * 10 + num_ffn)
+    steps, microbatches = 2, 2
+    targets = [Target(s, l, b) for s in range(steps) for l in range(layers) for b in range(microbatches)]
+    skipped = 5  # this target gets no plan: every worker must fall back to primary-only
+    inputs, plans, tables = [], {}, {l: SlotTable.empty(shape) for l in range(layers)}
+    for seq, target in enumerate(targets):
+        per_attn = []
+        for a in range(num_attention):
+            n = int(rng.integers(0, 24)) if a else int(rng.integers(8, 24))
+            ids, w = random_routing(n, shape, rng, skew=1.2)
+            per_attn.append((torch.randn(n, spec.hidden_size), ids, w))
+        inputs.append(per_attn)
+        demand = np.bincount(torch.cat([p[1] for p in per_attn]).reshape(-1).numpy(), minlength=spec.num_experts)
+        if seq != skipped:
+            plan, tables[target.layer] = random_plan(shape, demand, tables[target.layer], rng, target, seq, new_copies=2)
+            plans[seq] = plan
+
+    ring_name = f"afore-test-ring-{os.getpid()}-{num_ffn}"
+    ring = PlanRing.create(ring_name, shape, num_readers=num_ffn, liveness_timeout_s=30.0)
+    port, metrics_port = free_port(), free_port()
+    cfg = TransportConfig("127.0.0.1", port, num_attention, num_ffn, spec.hidden_size, spec.top_k, timeout_s=60)
+    workers = start_ffn_workers([
+        FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=num_attention, model=path, port=port, m_tile=M_TILE,
+                        plan_ring=ring_name, plan_timeout_ms=200.0, metrics_port=metrics_port if r == 0 else 0,
+                        copy_delay_ms=2.0, timeout_s=60)
+        for r in range(num_ffn)])
+    outputs = [[None] * len(targets) for _ in range(num_attention)]
+    errors, conns = [], []
+    connected = threading.Barrier(num_attention + 1, timeout=120)
+
+    def attention(a):
+        try:
+            conn = AttentionConnector(cfg, a)
+            conns.append(conn)
+            connected.wait()  # the FFN workers attached to the ring before the rendezvous
+            # two targets in flight: send t+1 before receiving t
+            pending = []
+            for seq, target in enumerate(targets):
+                pending.append((seq, conn.send(target, seq, *inputs[seq][a])))
+                if len(pending) == 2:
+                    s, h = pending.pop(0)
+                    outputs[a][s] = conn.recv(h)
+            for s, h in pending:
+                outputs[a][s] = conn.recv(h)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=attention, args=(a,)) for a in range(num_attention)]
+    try:
+        for t in threads:
+            t.start()
+        connected.wait()
+        for seq in sorted(plans):
+            ring.publish(plans[seq])
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert all(not t.is_alive() for t in threads)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    finally:
+        stop_ffn_workers(workers)  # SIGTERM while the attention side is still connected
+        for conn in conns:
+            conn.close()
+        ring.close()
+    assert [p.exitcode for p in workers] == [0] * num_ffn
+    for seq, target in enumerate(targets):
+        w = weights[target.layer]
+        for a in range(num_attention):
+            hidden, ids, tw = inputs[seq][a]
+            out = outputs[a][seq]
+            assert out.shape == hidden.shape
+            if hidden.shape[0]:
+                ref = dense_moe(hidden, ids, tw, w.w13, w.w2)
+                assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5, (seq, a)
+    assert metric(text, "afore_ffn_targets_total") == len(targets)
+    assert metric(text, "afore_ffn_primary_only_total") == 1
+    assert metric(text, "afore_ffn_plan_misses_total") == 1
+    assert metric(text, "afore_ffn_lookahead_window_ms_count") >= 1
+
+
+def test_attention_side_rejects_wrong_shapes():
+    cfg = TransportConfig("127.0.0.1", 1, 1, 1, 8, 2)
+    from afore.transport.connector import check_inputs
+
+    ok = (torch.zeros(3, 8), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2))
+    assert check_inputs(cfg, *ok) == 3
+    for bad, field in [((torch.zeros(3, 7),) + ok[1:], "hidden"),
+                       ((ok[0].double(),) + ok[1:], "hidden"),
+                       ((ok[0], torch.zeros(3, 2, dtype=torch.int64), ok[2]), "topk_ids"),
+                       ((ok[0], ok[1], torch.zeros(2, 2)), "topk_weights")]:
+        with pytest.raises(ValueError, match=field):
+            check_inputs(cfg, *bad)
