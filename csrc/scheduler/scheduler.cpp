@@ -430,6 +430,7 @@ bool Scheduler::find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& 
 }
 
 void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
+  const std::lock_guard<std::mutex> lock(mutex_);
   validate(inputs);
   // Tile counts are < 2**31, so a larger theta acts like 2**31 (and 2 theta + 2 cannot overflow).
   ScheduleInputs in = inputs;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 namespace afore {
@@ -54,6 +55,8 @@ class Scheduler {
   int64_t last_beyond_moves() const { return beyond_moves_; }
 
   // Validates the inputs (throws std::invalid_argument naming the field), then plans.
+  // Calls on one object are serialised (the scratch is shared); use one object per thread
+  // for parallel planning.
   void run(const ScheduleInputs& in, ScheduleOutputs& out);
 
  private:
@@ -86,6 +89,7 @@ class Scheduler {
     return load_[a] < load_[b] || (load_[a] == load_[b] && a < b);
   }
 
+  std::mutex mutex_;  // guards the scratch below: bench runs release the GIL
   int64_t E_, F_, R_, M_;
   std::vector<int32_t> owner_;        // [E] primary worker
   std::vector<int32_t> primary_slot_; // [E]

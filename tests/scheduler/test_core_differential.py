@@ -214,3 +214,31 @@ def test_core_equals_reference_at_large_scale(seed):
                    CostModel(window_ms=1.0), Target(0, 0, 0), 0)
     assert len(plan.copies) > 0
     assert core.scheduler_for(shape).last_within_moves > 0
+
+
+def test_core_plans_stay_exact_while_another_thread_benchmarks_the_same_scheduler():
+    # schedule_bench releases the GIL; the scheduler's scratch is shared by all calls on it.
+    import threading
+
+    shape = ClusterShape(num_experts=128, num_workers=16, redundant_slots=2, m_tile=16, top_k=8)
+    rng = np.random.default_rng(0)
+    args = (shape, random_demand(rng, 128, "zipf", 8192), SlotTable.empty(shape),
+            np.zeros((16, 2), bool), None, SchedulerParams(), CostModel(), Target(0, 0, 0), 0)
+    expected, _ = algorithm.schedule(*args)
+    other = core.core_arguments(shape, random_demand(rng, 128, "zipf", 8192), *args[2:])
+    done = threading.Event()
+
+    def bench():
+        while not done.is_set():
+            core.scheduler_for(shape).schedule_bench(*other, 50)
+
+    thread = threading.Thread(target=bench)
+    thread.start()
+    try:
+        for _ in range(400):
+            plan, _ = core.schedule(*args)
+            assert np.array_equal(plan.assignment, expected.assignment)
+            assert np.array_equal(plan.copies, expected.copies)
+    finally:
+        done.set()
+        thread.join()
