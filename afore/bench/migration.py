@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-tokens", type=int, default=256, help="tokens per microbatch in the replay")
     parser.add_argument("--trace", default=None, help="routing trace (.npz, afore trace format); default: synthetic Qwen3-30B-A3B")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="checkpoint for the 'worker' part (FFN worker processes end to end)")
+    parser.add_argument("--worker-targets", type=int, default=48, help="targets sent through the FFN workers")
 
 
 # ---------------------------------------------------------------------------- timing
@@ -463,6 +465,110 @@ def bench_replay(args, device: torch.device, peer_conn, cost: CostModel, copy_ms
             "copy_ms_used_for_planned": copy_ms, "records": recs}
 
 
+# ---------------------------------------------------------------------------- FFN workers end to end
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _scrape(port: int) -> dict:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("afore_ffn_") and "{" in line and "_created" not in line and "_bucket" not in line:
+            out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], rng) -> dict:
+    """A=1 attention connector here, F FFN worker processes, random valid plans via a PlanRing."""
+    from afore.ffn.reference import dense_moe, random_plan, random_routing
+    from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
+    from afore.models.checkpoint import load_routed_experts, read_model_spec
+    from afore.scheduler.plan import SlotTable, Target
+    from afore.transport.connector import AttentionConnector, TransportConfig
+
+    try:
+        from afore.scheduler.plan_ring import PlanRing
+    except ImportError:  # afore._shm not built: no scheduler, primary-only plans
+        PlanRing = None
+    spec = read_model_spec(args.model)
+    layers = len(spec.moe_layer_indices)
+    weights = [load_routed_experts(args.model, i, torch.float32) for i in spec.moe_layer_indices]
+    num_ffn = len(ffn_devices)
+    shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=layers, redundant_slots=2,
+                         m_tile=4, top_k=spec.top_k)
+    targets = [Target(s, l, b) for s in range(max(1, args.worker_targets // (2 * layers))) for l in range(layers) for b in range(2)]
+    inputs, plans, tables = [], {}, {l: SlotTable.empty(shape) for l in range(layers)}
+    for seq, target in enumerate(targets):
+        ids, w = random_routing(64, shape, rng, skew=1.2)
+        inputs.append((torch.randn(64, spec.hidden_size), ids, w))
+        demand = np.bincount(ids.reshape(-1).numpy(), minlength=spec.num_experts)
+        plans[seq], tables[target.layer] = random_plan(shape, demand, tables[target.layer], rng, target, seq, new_copies=2)
+    ring_name = f"afore-bench-ring-{os.getpid()}-{backend}"
+    ring = PlanRing.create(ring_name, shape, num_readers=num_ffn, num_slots=max(16, len(targets) + 1), liveness_timeout_s=60) if PlanRing else None
+    port, metrics_port = _free_port(), _free_port()
+    cfg = TransportConfig("127.0.0.1", port, 1, num_ffn, spec.hidden_size, spec.top_k, torch.float32, backend, timeout_s=120)
+    procs = start_ffn_workers([FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=1, model=args.model, port=port, device=d,
+                                               backend=backend, m_tile=4, plan_ring=ring_name if ring else "",
+                                               plan_timeout_ms=50.0, metrics_port=metrics_port if r == 0 else 0, timeout_s=120)
+                               for r, d in enumerate(ffn_devices)])
+    conn = None
+    try:
+        conn = AttentionConnector(cfg, 0, attn_device)
+        if ring:
+            for seq in sorted(plans):
+                ring.publish(plans[seq])
+        outs, times, pending = [None] * len(targets), [], []
+        dev = torch.device(attn_device)
+        for seq, target in enumerate(tqdm(targets, desc=f"worker {backend}", file=sys.stdout)):
+            hidden, ids, w = (t.to(dev) for t in inputs[seq])
+            pending.append((seq, time.perf_counter(), conn.send(target, seq, hidden, ids, w)))
+            if len(pending) == 2:
+                s0, t0, h = pending.pop(0)
+                outs[s0] = conn.recv(h).cpu()
+                times.append((time.perf_counter() - t0) * 1e3)
+        for s0, t0, h in pending:
+            outs[s0] = conn.recv(h).cpu()
+            times.append((time.perf_counter() - t0) * 1e3)
+        errors = []
+        for seq, target in enumerate(targets):
+            hidden, ids, w = inputs[seq]
+            ref = dense_moe(hidden, ids, w, weights[target.layer].w13, weights[target.layer].w2)
+            errors.append(float((outs[seq].double() - ref).norm() / ref.norm()))
+        metrics = _scrape(metrics_port)
+    finally:
+        stop_ffn_workers(procs)
+        if conn is not None:
+            conn.close()
+        if ring is not None:
+            ring.close()
+    return {"backend": backend, "attention_device": attn_device, "ffn_devices": ffn_devices, "targets": len(targets),
+            "plans_from_ring": ring is not None, "max_rel_error": max(errors), "median_round_trip_ms": statistics.median(times),
+            "exit_codes": [p.exitcode for p in procs], "worker0_metrics": metrics}
+
+
+def bench_worker(args, device: torch.device, gpus: int, rng) -> dict | None:
+    if not args.model:
+        print("bench migration: part 'worker' skipped (no --model)")
+        return None
+    rounds = []
+    if device.type == "cuda":
+        if gpus >= 2:  # NCCL needs distinct GPUs per rank: attention on GPU 1, one FFN worker on GPU 0
+            rounds.append(_worker_round(args, "nccl", "cuda:1", ["cuda:0"], rng))
+        rounds.append(_worker_round(args, "gloo", "cpu", [f"cuda:{i}" for i in range(min(gpus, 2))], rng))
+    else:
+        rounds.append(_worker_round(args, "gloo", "cpu", ["cpu", "cpu"], rng))
+    return {"rounds": rounds}
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -522,6 +628,17 @@ def _markdown(data: dict) -> str:
                                  [[r["targets_with_copies"], r["targets_copy_fits_window"], "n/a" if share is None else f"{share:.1%}",
                                    f"{r['median_window_ms']:.3f}", "n/a" if r["median_raw_copy_ms_with_copies"] is None else f"{r['median_raw_copy_ms_with_copies']:.3f}",
                                    f"{r['max_exposed_ms']:.3f}", f"{r['total_exposed_ms']:.3f}"]]), ""]
+    wk = data.get("worker")
+    if wk:
+        lines += ["## FFN workers end to end (attention connector here, worker processes, plans via a PlanRing)", "",
+                  markdown_table(["backend", "attention", "FFN workers", "targets", "max rel error vs dense fp64", "median round trip ms",
+                                  "window ms (sum/count)", "exposed ms (sum)", "copies", "primary-only", "exit codes"],
+                                 [[r["backend"], r["attention_device"], ", ".join(r["ffn_devices"]), r["targets"], f"{r['max_rel_error']:.1e}",
+                                   f"{r['median_round_trip_ms']:.2f}",
+                                   f"{r['worker0_metrics'].get('afore_ffn_lookahead_window_ms_sum', 0):.2f}/{r['worker0_metrics'].get('afore_ffn_lookahead_window_ms_count', 0):.0f}",
+                                   f"{r['worker0_metrics'].get('afore_ffn_exposed_copy_wait_ms_sum', 0):.3f}",
+                                   f"{r['worker0_metrics'].get('afore_ffn_copies_total', 0):.0f}",
+                                   f"{r['worker0_metrics'].get('afore_ffn_primary_only_total', 0):.0f}", r["exit_codes"]] for r in wk["rounds"]]), ""]
     t = data.get("targets")
     if t:
         lines += ["## Targets", "", markdown_table(["target", "value", "met"], [[n, v["value"], v["met"]] for n, v in t.items()]), ""]
@@ -574,9 +691,9 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda:0" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - {"kernels", "copies", "overlap", "replay"}
+    unknown = parts - {"kernels", "copies", "overlap", "replay", "worker"}
     if unknown:
-        raise ValueError(f"--parts: expected a subset of kernels,copies,overlap,replay, got {sorted(unknown)}")
+        raise ValueError(f"--parts: expected a subset of kernels,copies,overlap,replay,worker, got {sorted(unknown)}")
     if args.redundant_slots < 1:
         raise ValueError(f"--redundant-slots: expected >= 1, got {args.redundant_slots}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -622,6 +739,10 @@ def run(args: argparse.Namespace) -> int:
         if "replay" in parts and cross:
             data["replay"] = bench_replay(args, device, peer_conn, cost, cost.copy_ms)
             cost = _cost_model(data, shapes)
+        if "worker" in parts:
+            wk = bench_worker(args, device, gpus, rng)
+            if wk:
+                data["worker"] = wk
         data["cost_model"] = {f: getattr(cost, f) for f in CostModel.__struct_fields__}
         data["cost_model_shape"] = COST_MODEL_SHAPE if device.type == "cuda" else "tiny-a"
         data["targets"] = _targets(data)

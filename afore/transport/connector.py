@@ -176,6 +176,8 @@ class AttentionConnector:
         self.cfg = cfg
         self.rank = attn_rank
         self.device = torch.device(device)
+        # gloo moves CPU tensors (staged from/to the caller's device); NCCL moves CUDA tensors
+        self.wire = torch.device("cpu") if cfg.backend == "gloo" else self.device
         self.store = _store(cfg, attn_rank)
         self.a2f = _group(cfg, self.store, "a2f", attn_rank, cfg.world_size, self.device)
         self.f2a = _group(cfg, self.store, "f2a", attn_rank, cfg.world_size, self.device)
@@ -183,7 +185,7 @@ class AttentionConnector:
         self._pending: list[_Pending] = []
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device).contiguous()
+        return t.to(self.wire).contiguous()
 
     def send(self, target: Target, seq: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor) -> _Pending:
@@ -206,15 +208,15 @@ class AttentionConnector:
         self._pending.pop(0)
         for w in pending.works[:-1]:
             w.wait()
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
         self.f2a.recv([header], self.replier, 0).wait()
         seq, target, n = check_header(header.cpu(), self.cfg, f"reply from FFN rank {self.replier}")
         if (seq, target, n) != (pending.seq, pending.target, pending.num_tokens):
             raise ValueError(f"reply: expected seq {pending.seq} {pending.target} with {pending.num_tokens} rows, got seq {seq} {target} with {n}")
-        out = torch.empty(n, self.cfg.hidden, dtype=self.cfg.dtype, device=self.device)
+        out = torch.empty(n, self.cfg.hidden, dtype=self.cfg.dtype, device=self.wire)
         if n:
             self.f2a.recv([out], self.replier, 0).wait()
-        return out
+        return out.to(self.device)
 
     def exchange(self, target: Target, seq: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -236,6 +238,7 @@ class FFNConnector:
         self.ffn_rank = ffn_rank
         self.rank = cfg.num_attention + ffn_rank
         self.device = torch.device(device)
+        self.wire = torch.device("cpu") if cfg.backend == "gloo" else self.device
         self.store = _store(cfg, self.rank)
         self.a2f = _group(cfg, self.store, "a2f", self.rank, cfg.world_size, self.device)
         self.f2a = _group(cfg, self.store, "f2a", self.rank, cfg.world_size, self.device)
@@ -267,22 +270,22 @@ class FFNConnector:
         cfg = self.cfg
         parts, key = [], None
         for a in range(cfg.num_attention):
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
             self.a2f.recv([header], a, 0).wait()
             seq, target, n = check_header(header.cpu(), cfg, f"request from attention rank {a}")
             if key is None:
                 key = (seq, target)
             elif (seq, target) != key:
                 raise ValueError(f"request from attention rank {a}: target: expected seq {key[0]} {key[1]} (as attention rank 0), got seq {seq} {target}")
-            hidden = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=self.device)
-            ids = torch.empty(n, cfg.top_k, dtype=torch.int32, device=self.device)
-            weights = torch.empty(n, cfg.top_k, dtype=torch.float32, device=self.device)
+            hidden = torch.empty(n, cfg.hidden, dtype=cfg.dtype, device=self.wire)
+            ids = torch.empty(n, cfg.top_k, dtype=torch.int32, device=self.wire)
+            weights = torch.empty(n, cfg.top_k, dtype=torch.float32, device=self.wire)
             if n:
                 for t in (hidden, ids, weights):
                     self.a2f.recv([t], a, 0).wait()
             parts.append((hidden, ids, weights))
-        return Microbatch(key[1], key[0], torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                          torch.cat([p[2] for p in parts]), [p[0].shape[0] for p in parts], time.perf_counter())
+        cat = [torch.cat([p[i] for p in parts]).to(self.device) for i in range(3)]
+        return Microbatch(key[1], key[0], *cat, [p[0].shape[0] for p in parts], time.perf_counter())
 
     # -------------------------------------------------------------- model thread
 
@@ -313,7 +316,7 @@ class FFNConnector:
         workers must apply the same plan to a target, so one worker without it means none use it."""
         if self.cfg.num_ffn == 1:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.wire)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         self.ffn.allreduce([t], opts).wait()
@@ -325,7 +328,7 @@ class FFNConnector:
         n = sum(mb.splits)
         if tuple(partial.shape) != (n, cfg.hidden):
             raise ValueError(f"partial: expected shape [{n}, {cfg.hidden}], got {tuple(partial.shape)}")
-        combined = partial.to(device=self.device, dtype=cfg.dtype).contiguous()
+        combined = partial.to(device=self.wire, dtype=cfg.dtype).contiguous()
         if cfg.num_ffn > 1 and n:
             self.ffn.allreduce([combined]).wait()
         starts = [0]
@@ -335,7 +338,7 @@ class FFNConnector:
         keep = []
         for a in self.my_attention:
             rows = combined[starts[a]:starts[a + 1]].contiguous()
-            header = _header(mb.seq, mb.target, rows.shape[0], cfg).to(self.device)
+            header = _header(mb.seq, mb.target, rows.shape[0], cfg).to(self.wire)
             keep += [header, rows]
             works.append(self.f2a.send([header], a, 0))
             if rows.shape[0]:
