@@ -97,6 +97,44 @@ class ExpertShard:
         return out.to(hidden.dtype)
 
 
+class PoolView:
+    """Worker 0's view of every worker's redundant slots, to accept a plan only if it is valid
+    on all workers (the per-worker ``Migrator`` checks only its own slots, and a plan rejected
+    by one worker but run by another would break the exact partition).
+
+    ``resident[layer]``: int32[F, R], the expert each redundant slot holds once every applied
+    plan's copies ran (-1 = empty). Applied plans are exactly the ones worker 0 announced.
+    """
+
+    def __init__(self, shape: ClusterShape):
+        self.shape = shape
+        self.primaries = shape.primary_counts
+        self.resident = {layer: np.full((shape.num_workers, shape.redundant_slots), -1, np.int32)
+                         for layer in range(shape.num_layers)}
+
+    def accept(self, plan: Plan) -> str | None:
+        """Why ``plan`` cannot run on every worker, or None (and its copies are recorded)."""
+        shape, layer = self.shape, plan.target.layer
+        e, f = shape.num_experts, shape.num_workers
+        if plan.assignment.shape != (e, f) or plan.slot.shape != (e, f) or plan.copies.ndim != 2:
+            return "plan arrays have the wrong shape"
+        owner = shape.primary_owner
+        projected = self.resident[layer].copy()
+        for ex, src, dst, slot in plan.copies.tolist():
+            r = slot - int(self.primaries[dst]) if 0 <= dst < f else -1
+            if not (0 <= ex < e and 0 <= r < shape.redundant_slots) or src != owner[ex]:
+                return f"copy ({ex}, {src}, {dst}, {slot}) is not a primary-to-redundant-slot copy"
+            projected[dst, r] = ex
+        for ex, w in zip(*np.nonzero(plan.assignment > 0)):
+            if w == owner[ex]:
+                continue
+            r = int(plan.slot[ex, w]) - int(self.primaries[w])
+            if not 0 <= r < shape.redundant_slots or projected[w, r] != ex:
+                return f"expert {ex} has work on worker {w} in slot {plan.slot[ex, w]}, which will not hold it"
+        self.resident[layer] = projected
+        return None
+
+
 class FFNWorker:
     def __init__(self, cfg: FFNWorkerConfig):
         self.cfg = cfg
@@ -116,6 +154,8 @@ class FFNWorker:
             if len(cfg.control_endpoints) != self.shape.num_workers:
                 raise ValueError(f"control_endpoints: expected {self.shape.num_workers} entries, got {len(cfg.control_endpoints)}")
             self.decisions = PlanDecisions(cfg.worker, cfg.control_endpoints, cfg.leader_pid)
+        self.view = PoolView(self.shape)
+        self.plans_refused = 0
         self.targets = 0
         self.plan_misses = 0
         self.stopping = False
@@ -132,6 +172,13 @@ class FFNWorker:
             plan = self.plans.get(target, seq, self.cfg.plan_timeout_ms / 1e3)
             if plan is not None and not np.array_equal(plan.demand, demand):
                 plan = None  # a plan for other demand cannot partition these pairs exactly
+            if plan is not None:
+                reason = self.view.accept(plan)
+                if reason is not None:
+                    # e.g. it relies on a copy of a plan that arrived too late and was not run
+                    self.plans_refused += 1
+                    log.debug("plan seq %d refused: %s", seq, reason)
+                    plan = None
         if self.decisions is not None and self.decisions.leader:
             self.decisions.announce(seq, encode_plan(plan) if plan is not None else b"")
         if plan is None:

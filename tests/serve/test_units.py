@@ -19,7 +19,7 @@ from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler.plan import Target, check_plan
 from afore.scheduler.policies import Observation, make_policy
 from afore.serve.ffn_link import AttentionLink, FFNLink, PeerDied, PlanDecisions
-from afore.serve.ffn_worker import ExpertShard
+from afore.serve.ffn_worker import ExpertShard, PoolView
 from afore.serve.launcher import ServeOptions, check_shape
 from afore.serve.model_info import read_model_info
 from conftest import tiny
@@ -98,22 +98,27 @@ def test_count_demand_ignores_padding_ids():
     assert count_demand(ids, 8).tolist() == [1, 0, 0, 3, 0, 0, 0, 1]
 
 
-def test_worker_partials_sum_to_the_monolithic_layer_under_plans_with_copies():
+@pytest.mark.parametrize("policy_name", ["afore", "libra", "eplb", "harmoeny"])
+def test_worker_partials_sum_to_the_monolithic_layer_under_every_plan(policy_name):
     model = tiny("qwen3_moe")
     info = read_model_info(model)
     shape = ClusterShape(num_experts=info.num_experts, num_workers=2, num_layers=len(info.moe_layers),
                          top_k=info.top_k, m_tile=1, redundant_slots=2)
     shards = [ExpertShard(model, "cpu", shape, w) for w in range(2)]
-    w13, w2 = shards[0].host[0]
-    policy = make_policy("afore", shape, SchedulerParams(copy_budget=4), CostModel(window_ms=1e3))
+    view = PoolView(shape)
+    policy = make_policy(policy_name, shape, SchedulerParams(copy_budget=4), CostModel(window_ms=1e3))
     torch.manual_seed(0)
     copies = 0
-    for seq in range(4):
+    for seq in range(12):
+        layer = seq % shape.num_layers
+        w13, w2 = shards[0].host[layer]
         n = 24
         hidden = torch.randn(n, info.hidden_size)
-        # skewed routing: every token picks expert 0 (a primary of worker 0), so plans replicate it
+        # skewed routing: most tokens pick expert 0 (a primary of worker 0), so plans replicate it
         rest = torch.stack([torch.randperm(info.num_experts - 1)[: info.top_k - 1] + 1 for _ in range(n)])
-        ids = torch.cat([torch.zeros(n, 1, dtype=torch.int64), rest], dim=1).to(torch.int32)
+        first = torch.where(torch.rand(n) < 0.8, 0, int(torch.randint(1, info.num_experts, ())))
+        first = torch.where((rest == first[:, None]).any(1), 0, first)
+        ids = torch.cat([first[:, None], rest], dim=1).to(torch.int32)
         weights = torch.rand(n, info.top_k)
         want = torch.zeros(n, info.hidden_size)
         for t in range(n):  # dense reference: sum_k w_k * expert_k(x)
@@ -122,13 +127,31 @@ def test_worker_partials_sum_to_the_monolithic_layer_under_plans_with_copies():
                 g, u = (w13[e] @ hidden[t]).chunk(2)
                 want[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
         demand = count_demand(ids, info.num_experts).numpy()
-        plan = policy.plan(Observation(Target(seq, 0, 0), seq, demand))
+        plan = policy.plan(Observation(Target(seq // shape.num_layers, layer, 0), seq, demand))
         check_plan(shape, plan)
+        assert view.accept(plan) is None
         copies += len(plan.copies)
-        got = sum(shards[w].forward(0, hidden, ids, weights, plan) for w in range(2))
+        got = sum(shards[w].forward(layer, hidden, ids, weights, plan) for w in range(2))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert copies > 0, "the skewed demand should have produced replica copies"
     assert all(s.rejected == 0 for s in shards)
+    if policy_name == "afore":
+        assert copies > 0, "the skewed demand should have produced replica copies"
+
+
+def test_pool_view_refuses_a_plan_that_relies_on_a_copy_never_run():
+    model = tiny("qwen3_moe")
+    info = read_model_info(model)
+    shape = ClusterShape(num_experts=info.num_experts, num_workers=2, num_layers=len(info.moe_layers),
+                         top_k=info.top_k, m_tile=1, redundant_slots=2)
+    policy = make_policy("afore", shape, SchedulerParams(copy_budget=4), CostModel(window_ms=1e3))
+    demand = np.zeros(info.num_experts, np.int64)
+    demand[0] = 64
+    plans = [policy.plan(Observation(Target(s, 0, 0), s, demand)) for s in range(3)]
+    first_with_copies = next(i for i, p in enumerate(plans) if len(p.copies))
+    later = next((p for p in plans[first_with_copies + 1:] if (p.assignment[:, 1] > 0).any() and not len(p.copies)), None)
+    assert later is not None, "a later plan should reuse the replica without copying it again"
+    view = PoolView(shape)  # the plan with the copies was never run
+    assert view.accept(later) is not None
 
 
 def _ffn_echo(link: FFNLink, scale: float, stop: threading.Event, fail_seq: int = -1) -> None:
