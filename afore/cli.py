@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transport": ("afore.bench.transport", "demand mailbox and plan ring latency"),
     "migration": ("afore.bench.migration", "expert copy cost, overlap and grouped-GEMM time (GPU)"),
     "serve": ("afore.bench.serve", "throughput, TTFT and ITL per policy through the HTTP API"),
+    "ab": ("afore.bench.ab", "A/B of every placement policy on one trace: simulated AFD pipeline calibrated by GPU measurements"),
 }
 
 
