@@ -182,7 +182,8 @@ def _solve_milp(shape, k, table, protected, B, lb, ub, ub_tiles, time_limit_s, t
     fixed_on[table.expert[w_idx, r_idx], w_idx] = True
     capacity = R - (protected & (table.expert < 0)).sum(axis=1)
 
-    # columns: 0 = T; then N[e, w] for experts with k_e > 0 and all w; then y[e, w] for non-primary pairs
+    # columns: 0 = T; N[e, w] for experts with k_e > 0 and every w; y[e, w] for the non-primary pairs of
+    # those experts and for protected bindings (fixed to 1, they hold their slot even when idle)
     active = np.nonzero(k > 0)[0]
     n_col = {}
     y_col = {}
@@ -201,7 +202,6 @@ def _solve_milp(shape, k, table, protected, B, lb, ub, ub_tiles, time_limit_s, t
     num_col = col
     lower = np.zeros(num_col)
     upper = np.zeros(num_col)
-    integrality = np.ones(num_col, np.int32)
     cap = ub - 1  # look for strictly better solutions than the incumbent ub
     lower[0], upper[0] = lb, cap
     for (e, w), c in n_col.items():
