@@ -31,10 +31,12 @@ DEFAULT_DIR_CANDIDATES = ("../shared/traces/harmoeny", "/work/shared/traces/harm
 
 
 def find_harmoeny_dir(explicit: str | os.PathLike | None = None) -> Path | None:
-    """The HarMoEny data folder: ``explicit``, $AFORE_TRACES/harmoeny, or ../shared/traces/harmoeny."""
+    """The HarMoEny data folder: ``explicit`` (or None if it holds no CSVs), else
+    $AFORE_TRACES/harmoeny or ../shared/traces/harmoeny; None when absent."""
     candidates: list[Path] = []
-    if explicit is not None:
-        candidates.append(Path(explicit))
+    if explicit is not None:  # an explicit folder is authoritative: no silent fallback
+        path = Path(explicit)
+        return path if path.is_dir() and any(path.glob("expert_freq_*.csv")) else None
     if os.environ.get("AFORE_TRACES"):
         candidates.append(Path(os.environ["AFORE_TRACES"]) / "harmoeny")
     repo = Path(__file__).resolve().parents[2]

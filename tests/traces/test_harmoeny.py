@@ -48,3 +48,12 @@ def test_convert_real_traces(tmp_path, capsys):
     assert stats["tv_consecutive"][0] == pytest.approx(0.0411, abs=1e-3)
     assert trace_cli.run(parser.parse_args(["info", str(tmp_path / "harmoeny-switch128-wikitext.npz")])) == 0
     assert "max/mean" in capsys.readouterr().out
+
+
+def test_missing_folder_is_reported(tmp_path, capsys):
+    import argparse
+    assert find_harmoeny_dir(tmp_path / "absent") is None
+    parser = argparse.ArgumentParser()
+    trace_cli.add_arguments(parser)
+    assert trace_cli.run(parser.parse_args(["convert", "--src", str(tmp_path), "--out-dir", str(tmp_path / "o")])) == 2
+    assert "not found" in capsys.readouterr().err
