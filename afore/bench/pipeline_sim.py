@@ -180,7 +180,9 @@ def simulate_pipeline(attention_ms: float | np.ndarray, ffn_ms: np.ndarray, num_
     per_step = num_layers * num_microbatches
     if ffn.size % per_step:
         raise ValueError(f"ffn_ms: expected a length divisible by num_layers * num_microbatches = {per_step}, got {ffn.size}")
-    attn = np.broadcast_to(np.asarray(attention_ms, np.float64), ffn.shape)
+    attn = np.asarray(attention_ms, np.float64)
+    if attn.ndim == 0:
+        attn = np.full(ffn.shape, float(attn))
     if attn.shape != ffn.shape:
         raise ValueError(f"attention_ms: expected a scalar or a vector of length {ffn.size}, got shape {np.shape(attention_ms)}")
     for name, arr in (("ffn_ms", ffn), ("attention_ms", attn)):
