@@ -22,9 +22,10 @@ need MLA with kv_lora_rank + qk_rope_head_dim = 576 on the CPU backend (512 + 64
 DeepSeek-V3 needs ``topk_method: noaux_tc`` and ``scoring_func: sigmoid`` in config.json
 (vLLM reads them; transformers hard-codes them). vLLM's 16 greedy tokens equal
 transformers' ``generate`` for qwen3_moe, mixtral and glm4_moe; for deepseek_v2/v3 they
-differ from the first tokens on, in the MLA attention (the MoE layers equal transformers'
-exactly, tests/models/test_reference_moe.py, and GLM-4.5 shares V3's routing), so compare
-afore against plain vLLM there, not against transformers.
+differ within the first tokens, in the MLA attention, not in the MoE layers: a variant with
+no MoE layer (``num_hidden_layers=1``) differs the same way, the MoE layers equal
+transformers' exactly (tests/models/test_reference_moe.py), and GLM-4.5 shares V3's routing
+and matches. Compare afore against plain vLLM there, not against transformers.
 
 Caching: a finished build holds ``afore-tiny.json`` (architecture, seed, overrides, builder
 version); building again into the same directory is a no-op, and concurrent builders of one
