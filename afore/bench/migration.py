@@ -515,10 +515,11 @@ def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], 
     ring_name = f"afore-bench-ring-{os.getpid()}-{backend}"
     ring = PlanRing.create(ring_name, shape, num_readers=num_ffn, num_slots=max(16, len(targets) + 1), liveness_timeout_s=60) if PlanRing else None
     port, metrics_port = _free_port(), _free_port()
-    cfg = TransportConfig("127.0.0.1", port, 1, num_ffn, spec.hidden_size, spec.top_k, torch.float32, backend, timeout_s=120)
+    timeout = 60.0
+    cfg = TransportConfig("127.0.0.1", port, 1, num_ffn, spec.hidden_size, spec.top_k, torch.float32, backend, timeout_s=timeout)
     procs = start_ffn_workers([FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=1, model=args.model, port=port, device=d,
                                                backend=backend, m_tile=4, plan_ring=ring_name if ring else "",
-                                               plan_timeout_ms=50.0, metrics_port=metrics_port if r == 0 else 0, timeout_s=120)
+                                               plan_timeout_ms=50.0, metrics_port=metrics_port if r == 0 else 0, timeout_s=timeout)
                                for r, d in enumerate(ffn_devices)])
     conn = None
     try:
@@ -555,18 +556,25 @@ def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], 
             "exit_codes": [p.exitcode for p in procs], "worker0_metrics": metrics}
 
 
-def bench_worker(args, device: torch.device, gpus: int, rng) -> dict | None:
+def bench_worker(args, device: torch.device, gpus: int, rng, on_round=None) -> dict | None:
+    """Rounds: gloo (attention on the host, F workers on the GPUs: IPC copies, Triton kernels),
+    then NCCL (needs distinct GPUs per rank: attention on GPU 1, one FFN worker on GPU 0).
+    ``on_round(result)`` is called after each round (the report is written as it goes)."""
     if not args.model:
         print("bench migration: part 'worker' skipped (no --model)")
         return None
-    rounds = []
+    result: dict = {"rounds": []}
     if device.type == "cuda":
-        if gpus >= 2:  # NCCL needs distinct GPUs per rank: attention on GPU 1, one FFN worker on GPU 0
-            rounds.append(_worker_round(args, "nccl", "cuda:1", ["cuda:0"], rng))
-        rounds.append(_worker_round(args, "gloo", "cpu", [f"cuda:{i}" for i in range(min(gpus, 2))], rng))
+        plan = [("gloo", "cpu", [f"cuda:{i}" for i in range(min(gpus, 2))])]
+        if gpus >= 2:
+            plan.append(("nccl", "cuda:1", ["cuda:0"]))
     else:
-        rounds.append(_worker_round(args, "gloo", "cpu", ["cpu", "cpu"], rng))
-    return {"rounds": rounds}
+        plan = [("gloo", "cpu", ["cpu", "cpu"])]
+    for backend, attn, ffn in plan:
+        result["rounds"].append(_worker_round(args, backend, attn, ffn, rng))
+        if on_round is not None:
+            on_round(result)
+    return result
 
 
 # ---------------------------------------------------------------------------- report
@@ -576,9 +584,10 @@ def _markdown(data: dict) -> str:
     from afore.bench.report import markdown_table
 
     lines = [f"Device: {data['device']}; GPUs: {data['gpus']}; dtype {data['dtype']}.", ""]
-    cm = data["cost_model"]
-    lines += ["## Cost model (read by `afore.scheduler.cost`)", "",
-              markdown_table(list(cm), [[round(v, 6) if isinstance(v, float) else v for v in cm.values()]]), ""]
+    cm = data.get("cost_model")
+    if cm:
+        lines += ["## Cost model (read by `afore.scheduler.cost`)", "",
+                  markdown_table(list(cm), [[round(v, 6) if isinstance(v, float) else v for v in cm.values()]]), ""]
     k = data.get("kernels")
     if k:
         lines += ["## Grouped GEMM correctness (bf16 vs fp32 torch)", "",
@@ -740,11 +749,16 @@ def run(args: argparse.Namespace) -> int:
             data["replay"] = bench_replay(args, device, peer_conn, cost, cost.copy_ms)
             cost = _cost_model(data, shapes)
         if "worker" in parts:
-            wk = bench_worker(args, device, gpus, rng)
+            def write_partial(wk: dict) -> None:
+                data["worker"] = wk
+                write_report(name, data, _markdown(data), None, out_dir=args.out_dir)
+
+            wk = bench_worker(args, device, gpus, rng, write_partial)
             if wk:
                 data["worker"] = wk
-        data["cost_model"] = {f: getattr(cost, f) for f in CostModel.__struct_fields__}
-        data["cost_model_shape"] = COST_MODEL_SHAPE if device.type == "cuda" else "tiny-a"
+        if parts & {"kernels", "copies", "replay"}:  # a worker-only run measures no cost figures
+            data["cost_model"] = {f: getattr(cost, f) for f in CostModel.__struct_fields__}
+            data["cost_model_shape"] = COST_MODEL_SHAPE if device.type == "cuda" else "tiny-a"
         data["targets"] = _targets(data)
     finally:
         if peer is not None:

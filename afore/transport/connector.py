@@ -94,6 +94,7 @@ class Microbatch:
     topk_weights: torch.Tensor  # fp32 [N, k]
     splits: list[int]           # rows per attention worker
     arrived: float = 0.0        # time.perf_counter() when the last part arrived
+    ready: object = None        # CUDA event on the receive stream (None on CPU)
 
 
 class PendingExchange(Protocol):
@@ -252,6 +253,12 @@ class FFNConnector:
     # -------------------------------------------------------------- receive thread
 
     def _receive_loop(self) -> None:
+        # On a GPU the receive thread works on its own stream: a pending receive must never block
+        # the model thread's stream (the legacy default stream would serialise them: deadlock).
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._recv_stream = torch.cuda.Stream(self.device)
+            torch.cuda.set_stream(self._recv_stream)
         while not self._stop.is_set():
             try:
                 item = self._receive_one()
@@ -285,7 +292,11 @@ class FFNConnector:
                     self.a2f.recv([t], a, 0).wait()
             parts.append((hidden, ids, weights))
         cat = [torch.cat([p[i] for p in parts]).to(self.device) for i in range(3)]
-        return Microbatch(key[1], key[0], *cat, [p[0].shape[0] for p in parts], time.perf_counter())
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return Microbatch(key[1], key[0], *cat, [p[0].shape[0] for p in parts], time.perf_counter(), ready)
 
     # -------------------------------------------------------------- model thread
 
@@ -297,6 +308,11 @@ class FFNConnector:
             return None
         if isinstance(item, BaseException):
             raise item
+        if item.ready is not None:  # the model stream waits for the receive stream, not the host
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(item.ready)
+            for t in (item.hidden, item.topk_ids, item.topk_weights):
+                t.record_stream(stream)
         return item
 
     def peek(self) -> Microbatch | None:
