@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="checkpoint for the 'worker' part (FFN worker processes end to end)")
     parser.add_argument("--worker-targets", type=int, default=48, help="targets sent through the FFN workers")
+    parser.add_argument("--worker-backends", default="gloo,nccl", help="transport backends of the 'worker' part (nccl: GPUs only)")
 
 
 # ---------------------------------------------------------------------------- timing
@@ -570,7 +571,10 @@ def bench_worker(args, device: torch.device, gpus: int, rng, on_round=None) -> d
             plan.append(("nccl", "cuda:1", ["cuda:0"]))
     else:
         plan = [("gloo", "cpu", ["cpu", "cpu"])]
+    wanted = {b.strip() for b in args.worker_backends.split(",")}
     for backend, attn, ffn in plan:
+        if backend not in wanted:
+            continue
         result["rounds"].append(_worker_round(args, backend, attn, ffn, rng))
         if on_round is not None:
             on_round(result)

@@ -184,6 +184,18 @@ class AttentionConnector:
         self.f2a = _group(cfg, self.store, "f2a", attn_rank, cfg.world_size, self.device)
         self.replier = cfg.num_attention + attn_rank % cfg.num_ffn
         self._pending: list[_Pending] = []
+        self._handshake()
+
+    def _handshake(self) -> None:
+        """One tiny message on every pair this worker uses, before any real traffic: NCCL creates
+        a pair's communicator on its first send/recv, and creating one while another receive is
+        pending on the GPU can deadlock; it also proves the peers are reachable."""
+        token = torch.zeros(1, dtype=torch.int64, device=self.wire)
+        works = [self.a2f.send([token], self.cfg.num_attention + f, 0) for f in range(self.cfg.num_ffn)]
+        for w in works:
+            w.wait()
+        reply = torch.empty(1, dtype=torch.int64, device=self.wire)
+        self.f2a.recv([reply], self.replier, 0).wait()
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.wire).contiguous()
@@ -245,10 +257,25 @@ class FFNConnector:
         self.f2a = _group(cfg, self.store, "f2a", self.rank, cfg.world_size, self.device)
         self.ffn = _group(cfg, self.store, "ffn", ffn_rank, cfg.num_ffn, self.device)
         self.my_attention = [a for a in range(cfg.num_attention) if a % cfg.num_ffn == ffn_rank]
+        self._handshake()
         self._queue: queue.Queue = queue.Queue(maxsize=cfg.depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, name=f"afore-a2f-recv-{ffn_rank}", daemon=True)
         self._thread.start()
+
+    def _handshake(self) -> None:
+        """The FFN end of ``AttentionConnector._handshake``, plus the FFN group's communicator."""
+        for a in range(self.cfg.num_attention):
+            token = torch.empty(1, dtype=torch.int64, device=self.wire)
+            self.a2f.recv([token], a, 0).wait()
+        token = torch.zeros(1, dtype=torch.int64, device=self.wire)
+        works = [self.f2a.send([token], a, 0) for a in self.my_attention]
+        for w in works:
+            w.wait()
+        if self.cfg.num_ffn > 1:
+            self.ffn.allreduce([torch.zeros(1, dtype=torch.float32, device=self.wire)]).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -------------------------------------------------------------- receive thread
 
