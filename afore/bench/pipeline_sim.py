@@ -21,13 +21,16 @@ Model (times in ms, loads in tiles of M_tile token-expert pairs):
 - Attention stage of target t: attention_ms (a constant per (layer, microbatch), see
   ``balanced_attention_ms`` for the calibrated default); the attention pool runs targets in the
   same order, one at a time (its A data-parallel workers process one microbatch together).
-- Dependencies (standard two-stage pipeline with M microbatches in flight):
-      attn_start[t] = max(attn_end[t-1], ffn_end[t-M])    (microbatch b's previous layer done)
+- Dependencies (standard two-stage pipeline with M microbatches in flight; X = transfer_ms, the
+  A2F and F2A latency, 0 by default: transfers overlapped with compute):
+      attn_start[t] = max(attn_end[t-1], ffn_end[t-M] + X)    (microbatch b's previous layer back)
       attn_end[t]   = attn_start[t] + attention_ms[t]
-      ffn_start[t]  = max(attn_end[t], ffn_end[t-1])      (FFN pool busy with target t-1)
+      ffn_start[t]  = max(attn_end[t] + X, ffn_end[t-1])      (FFN pool busy with target t-1)
       ffn_end[t]    = ffn_start[t] + ffn_ms[t]
-  A2F/F2A transfers are taken as overlapped (not modelled). When FFN is the bottleneck, FFN
-  imbalance and exposed copies show up one for one in the step time.
+  When FFN is the bottleneck, FFN imbalance and exposed copies show up one for one in the step
+  time. slack[t] = ffn_start[t] - attn_end[t] is the time between t's demand being known (the
+  gate runs at the end of attention) and its FFN stage: the lookahead the simulated pipeline itself
+  offers, reported beside the measured window W the policies plan with.
 - Step s ends when its last target's FFN stage ends: step_ms[s] = step_end[s] - step_end[s-1]
   (step_end[-1] = 0: step 0 includes the pipeline fill). Every sequence gets one token per step,
   so step_ms is the inter-token latency (ITL) and throughput = M * tokens / step_ms (tokens/s
@@ -153,6 +156,11 @@ class PipelineTimeline:
     step_ms: np.ndarray     # float64[S]
 
     @property
+    def slack_ms(self) -> np.ndarray:
+        """float64[N]: time from the end of each target's attention stage to the start of its FFN stage."""
+        return self.ffn_start - self.attn_end
+
+    @property
     def ffn_busy_share(self) -> float:
         """Share of the makespan in which the FFN pool computes (1.0 = FFN is the bottleneck)."""
         span = float(self.ffn_end[-1])
@@ -160,7 +168,7 @@ class PipelineTimeline:
 
 
 def simulate_pipeline(attention_ms: float | np.ndarray, ffn_ms: np.ndarray, num_layers: int,
-                      num_microbatches: int) -> PipelineTimeline:
+                      num_microbatches: int, transfer_ms: float = 0.0) -> PipelineTimeline:
     """Run the two-stage pipeline of the module docstring.
 
     Args:
@@ -168,6 +176,7 @@ def simulate_pipeline(attention_ms: float | np.ndarray, ffn_ms: np.ndarray, num_
       ffn_ms: float[N]: FFN stage time of each target (ms), N = S * L * M in FFN order.
       num_layers: L MoE layers per step.
       num_microbatches: M microbatches in flight.
+      transfer_ms: A2F (and F2A) latency between the stages (ms).
     Returns: the timeline; ``step_ms`` float[S].
     """
     if isinstance(num_layers, bool) or int(num_layers) != num_layers or num_layers < 1:
@@ -188,16 +197,20 @@ def simulate_pipeline(attention_ms: float | np.ndarray, ffn_ms: np.ndarray, num_
     for name, arr in (("ffn_ms", ffn), ("attention_ms", attn)):
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise ValueError(f"{name}: expected finite times >= 0 (ms)")
-    n, m = ffn.size, int(num_microbatches)
+    if isinstance(transfer_ms, bool) or not isinstance(transfer_ms, (int, float, np.floating)) \
+            or not np.isfinite(transfer_ms) or transfer_ms < 0:
+        raise ValueError(f"transfer_ms: expected a finite value >= 0 (ms), got {transfer_ms!r}")
+    n, m, x = ffn.size, int(num_microbatches), float(transfer_ms)
     a_start, a_end, f_start, f_end = (np.zeros(n) for _ in range(4))
     prev_a_end = prev_f_end = 0.0
     attn_l, ffn_l = attn.tolist(), ffn.tolist()
     for t in range(n):
-        ready = f_end[t - m] if t >= m else 0.0
+        ready = f_end[t - m] + x if t >= m else 0.0
         start = prev_a_end if prev_a_end > ready else ready
         prev_a_end = start + attn_l[t]
         a_start[t], a_end[t] = start, prev_a_end
-        start = prev_a_end if prev_a_end > prev_f_end else prev_f_end
+        arrived = prev_a_end + x
+        start = arrived if arrived > prev_f_end else prev_f_end
         prev_f_end = start + ffn_l[t]
         f_start[t], f_end[t] = start, prev_f_end
     step_end = f_end[per_step - 1::per_step].copy()
@@ -288,7 +301,8 @@ def summarise(trace: PolicyTrace, timeline: PipelineTimeline, ffn_ms: np.ndarray
 
     step_ms (= ITL) mean/p50/p95, throughput_tok_s = tokens_per_step * measured steps / their total
     time, max/mean tile load mean and p99, copies and exposed ms per target, share of targets with
-    zero exposed wait, mean FFN stage ms and the FFN pool's busy share.
+    zero exposed wait, mean FFN stage ms and the FFN pool's busy share, the simulated slack
+    (mean, p50) and the share of targets with copies whose raw copy time exceeds their slack.
     """
     steps = timeline.step_ms.size
     if not 0 <= warmup_steps < steps:
@@ -298,6 +312,8 @@ def summarise(trace: PolicyTrace, timeline: PipelineTimeline, ffn_ms: np.ndarray
     mean = trace.mean_tile_load[first:]
     ratio = np.where(mean > 0, trace.max_tile_load[first:] / np.where(mean > 0, mean, 1.0), 1.0)
     exposed = trace.exposed_ms[first:]
+    slack = timeline.slack_ms[first:]
+    with_copies = trace.copies[first:] > 0
     total_ms = float(step_ms.sum())
     return {
         "steps": int(step_ms.size), "targets": int(exposed.size),
@@ -311,4 +327,6 @@ def summarise(trace: PolicyTrace, timeline: PipelineTimeline, ffn_ms: np.ndarray
         "zero_exposed_share": float(np.mean(exposed <= 0.0)),
         "ffn_stage_ms_mean": float(ffn_ms[first:].mean()),
         "ffn_busy_share": timeline.ffn_busy_share,
+        "slack_ms_mean": float(slack.mean()), "slack_ms_p50": _pct(slack, 50),
+        "copy_beyond_slack_share": float(np.mean(trace.copy_ms[first:][with_copies] > slack[with_copies])) if with_copies.any() else 0.0,
     }

@@ -44,6 +44,7 @@ def test_bench_ab_tiny(tmp_path):
     (["--tokens", "0"], "tokens"),
     (["--attention-ms", "-1"], "attention_ms"),
     (["--window-ms", "nan"], "window_ms"),
+    (["--transfer-ms", "-0.5"], "transfer_ms"),
     (["--redundant-slots", "-1"], "redundant_slots"),
     (["--calibration", "/nonexistent/migration.json"], "calibration"),
 ])

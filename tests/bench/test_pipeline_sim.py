@@ -35,6 +35,18 @@ def test_ffn_bound_two_microbatches_by_hand():
     np.testing.assert_allclose(tl.step_ms, [5, 4])  # steady state: M * ffn = 4 ms per step
 
 
+def test_transfer_latency_by_hand():
+    # as above with A2F/F2A latency 0.5: t0 a 0-1 f 1.5-3.5; t1 a 1-2 f max(2.5, 3.5) 3.5-5.5
+    # t2 a max(2, 3.5 + 0.5) 4-5 f max(5.5, 5.5) 5.5-7.5; t3 a max(5, 5.5 + 0.5) 6-7 f max(7.5, 7.5) 7.5-9.5
+    tl = simulate_pipeline(1.0, np.full(4, 2.0), num_layers=1, num_microbatches=2, transfer_ms=0.5)
+    np.testing.assert_allclose(tl.attn_start, [0, 1, 4, 6])
+    np.testing.assert_allclose(tl.ffn_start, [1.5, 3.5, 5.5, 7.5])
+    np.testing.assert_allclose(tl.step_ms, [5.5, 4.0])
+    np.testing.assert_allclose(tl.slack_ms, [0.5, 1.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match="transfer_ms"):
+        simulate_pipeline(1.0, np.full(4, 2.0), 1, 2, transfer_ms=-0.1)
+
+
 def test_attention_bound_two_microbatches_by_hand():
     # attention 3 ms, FFN 1 ms: t0 a 0-3 f 3-4; t1 a 3-6 f 6-7; t2 a max(6, 4) 6-9 f 9-10; t3 a 9-12 f 12-13
     tl = simulate_pipeline(3.0, np.full(4, 1.0), num_layers=1, num_microbatches=2)
@@ -92,6 +104,8 @@ def test_summarise_by_hand():
     assert s["max_mean_tile_load"] == pytest.approx((2.0 + 1.0) / 2)
     assert s["copies_per_target"] == pytest.approx(1.0) and s["exposed_ms_per_target"] == pytest.approx(0.25)
     assert s["zero_exposed_share"] == pytest.approx(0.5)
+    # slack of t2, t3 = ffn_start - attn_end = 1 and 1; t2 has copies with copy_ms 0 -> not beyond its slack
+    assert s["slack_ms_mean"] == pytest.approx(1.0) and s["copy_beyond_slack_share"] == 0.0
     with pytest.raises(ValueError, match="warmup_steps"):
         summarise(trace, tl, np.full(4, 2.0), 100, 2, 1, 2)
 
