@@ -5,9 +5,12 @@ TCPStore; every process builds its process groups directly from it
 (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` objects over a ``PrefixStore``), so nothing here
 touches the default group or vLLM's groups. A and F are independent (F > A works).
 
-Groups: ``a2f`` (all A+F ranks; requests), ``f2a`` (all A+F ranks; replies) and ``ffn`` (the F
-FFN workers; the combine). Separate request and reply groups let the FFN side receive target
-t+1 on its receive thread while the model thread replies to target t.
+Groups: ``a2f`` (all A+F ranks; request payloads), ``f2a`` (all A+F ranks; reply payloads) and
+``ffn`` (the F FFN workers; the combine) use the configured backend; ``a2f_ctl`` / ``f2a_ctl``
+carry the headers over gloo on the host. Separate request and reply groups let the FFN side
+receive target t+1 on its receive thread while the model thread replies to target t; headers on
+the host mean a GPU receive is posted only once its sender committed to the message, so no NCCL
+receive kernel sits pending on the GPU (which could block other communicators' kernels).
 
 Attention side (the vLLM plugin's whole API; one object per attention worker)::
 
@@ -26,7 +29,9 @@ queued: the lookahead); ``FFNConnector.send(mb, partial)`` sums the F workers' p
 (all-reduce over ``ffn``) and sends attention worker a its rows from FFN worker a % F.
 
 Wire format per message: an int64 header [magic, seq, step, layer, microbatch, n, H, k, dtype]
-followed, when n > 0, by hidden, ids and weights (replies: the output). A header that does
+on the control group, then, when n > 0, hidden, ids and weights on the data group (replies:
+the output). Every pair exchanges one token on each group at connect (``_handshake``), so NCCL
+creates its pair communicators before any traffic. A header that does
 not match the configuration (hidden size, top_k, dtype, or a target that differs between the
 attention workers) raises ``ValueError`` naming the field.
 """
@@ -116,10 +121,11 @@ def _store(cfg: TransportConfig, rank: int) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
 
 
-def _group(cfg: TransportConfig, store: dist.Store, name: str, rank: int, size: int, device: torch.device):
+def _group(cfg: TransportConfig, store: dist.Store, name: str, rank: int, size: int, device: torch.device,
+           backend: str | None = None):
     prefixed = dist.PrefixStore(f"afore/transport/{name}", store)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    if cfg.backend == "gloo":
+    if (backend or cfg.backend) == "gloo":
         from afore.transport.gloo import gloo_group
 
         return gloo_group(prefixed, rank, size, timeout)
@@ -182,6 +188,8 @@ class AttentionConnector:
         self.store = _store(cfg, attn_rank)
         self.a2f = _group(cfg, self.store, "a2f", attn_rank, cfg.world_size, self.device)
         self.f2a = _group(cfg, self.store, "f2a", attn_rank, cfg.world_size, self.device)
+        self.a2f_ctl = _group(cfg, self.store, "a2f_ctl", attn_rank, cfg.world_size, self.device, "gloo")
+        self.f2a_ctl = _group(cfg, self.store, "f2a_ctl", attn_rank, cfg.world_size, self.device, "gloo")
         self.replier = cfg.num_attention + attn_rank % cfg.num_ffn
         self._pending: list[_Pending] = []
         self._handshake()
@@ -190,12 +198,14 @@ class AttentionConnector:
         """One tiny message on every pair this worker uses, before any real traffic: NCCL creates
         a pair's communicator on its first send/recv, and creating one while another receive is
         pending on the GPU can deadlock; it also proves the peers are reachable."""
-        token = torch.zeros(1, dtype=torch.int64, device=self.wire)
-        works = [self.a2f.send([token], self.cfg.num_attention + f, 0) for f in range(self.cfg.num_ffn)]
-        for w in works:
-            w.wait()
-        reply = torch.empty(1, dtype=torch.int64, device=self.wire)
-        self.f2a.recv([reply], self.replier, 0).wait()
+        for group, dev in ((self.a2f_ctl, "cpu"), (self.a2f, self.wire)):
+            token = torch.zeros(1, dtype=torch.int64, device=dev)
+            works = [group.send([token], self.cfg.num_attention + f, 0) for f in range(self.cfg.num_ffn)]
+            for w in works:
+                w.wait()
+        for group, dev in ((self.f2a_ctl, "cpu"), (self.f2a, self.wire)):
+            reply = torch.empty(1, dtype=torch.int64, device=dev)
+            group.recv([reply], self.replier, 0).wait()
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.wire).contiguous()
@@ -204,12 +214,14 @@ class AttentionConnector:
              topk_weights: torch.Tensor) -> _Pending:
         """Post one target's tokens to every FFN worker (non-blocking); returns the handle for ``recv``."""
         n = check_inputs(self.cfg, hidden, topk_ids, topk_weights)
-        header = self._dev(_header(seq, target, n, self.cfg))
-        parts = [header] + ([self._dev(hidden), self._dev(topk_ids), self._dev(topk_weights)] if n else [])
+        header = _header(seq, target, n, self.cfg)  # control plane: CPU, gloo
+        parts = [self._dev(hidden), self._dev(topk_ids), self._dev(topk_weights)] if n else []
         works = []
         for f in range(self.cfg.num_ffn):
+            works.append(self.a2f_ctl.send([header], self.cfg.num_attention + f, 0))
             for t in parts:
                 works.append(self.a2f.send([t], self.cfg.num_attention + f, 0))
+        parts.append(header)
         pending = _Pending(target, seq, n, works + [parts])  # keep the buffers alive until sent
         self._pending.append(pending)
         return pending
@@ -221,9 +233,9 @@ class AttentionConnector:
         self._pending.pop(0)
         for w in pending.works[:-1]:
             w.wait()
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
-        self.f2a.recv([header], self.replier, 0).wait()
-        seq, target, n = check_header(header.cpu(), self.cfg, f"reply from FFN rank {self.replier}")
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self.f2a_ctl.recv([header], self.replier, 0).wait()
+        seq, target, n = check_header(header, self.cfg, f"reply from FFN rank {self.replier}")
         if (seq, target, n) != (pending.seq, pending.target, pending.num_tokens):
             raise ValueError(f"reply: expected seq {pending.seq} {pending.target} with {pending.num_tokens} rows, got seq {seq} {target} with {n}")
         out = torch.empty(n, self.cfg.hidden, dtype=self.cfg.dtype, device=self.wire)
@@ -237,7 +249,7 @@ class AttentionConnector:
         return self.recv(self.send(target, seq, hidden, topk_ids, topk_weights))
 
     def close(self) -> None:
-        for group in (self.a2f, self.f2a):
+        for group in (self.a2f, self.f2a, self.a2f_ctl, self.f2a_ctl):
             _shutdown(group)
 
 
@@ -256,6 +268,8 @@ class FFNConnector:
         self.a2f = _group(cfg, self.store, "a2f", self.rank, cfg.world_size, self.device)
         self.f2a = _group(cfg, self.store, "f2a", self.rank, cfg.world_size, self.device)
         self.ffn = _group(cfg, self.store, "ffn", ffn_rank, cfg.num_ffn, self.device)
+        self.a2f_ctl = _group(cfg, self.store, "a2f_ctl", self.rank, cfg.world_size, self.device, "gloo")
+        self.f2a_ctl = _group(cfg, self.store, "f2a_ctl", self.rank, cfg.world_size, self.device, "gloo")
         self.my_attention = [a for a in range(cfg.num_attention) if a % cfg.num_ffn == ffn_rank]
         self._handshake()
         self._queue: queue.Queue = queue.Queue(maxsize=cfg.depth)
@@ -265,13 +279,15 @@ class FFNConnector:
 
     def _handshake(self) -> None:
         """The FFN end of ``AttentionConnector._handshake``, plus the FFN group's communicator."""
-        for a in range(self.cfg.num_attention):
-            token = torch.empty(1, dtype=torch.int64, device=self.wire)
-            self.a2f.recv([token], a, 0).wait()
-        token = torch.zeros(1, dtype=torch.int64, device=self.wire)
-        works = [self.f2a.send([token], a, 0) for a in self.my_attention]
-        for w in works:
-            w.wait()
+        for group, dev in ((self.a2f_ctl, "cpu"), (self.a2f, self.wire)):
+            for a in range(self.cfg.num_attention):
+                token = torch.empty(1, dtype=torch.int64, device=dev)
+                group.recv([token], a, 0).wait()
+        for group, dev in ((self.f2a_ctl, "cpu"), (self.f2a, self.wire)):
+            token = torch.zeros(1, dtype=torch.int64, device=dev)
+            works = [group.send([token], a, 0) for a in self.my_attention]
+            for w in works:
+                w.wait()
         if self.cfg.num_ffn > 1:
             self.ffn.allreduce([torch.zeros(1, dtype=torch.float32, device=self.wire)]).wait()
         if self.device.type == "cuda":
@@ -304,9 +320,12 @@ class FFNConnector:
         cfg = self.cfg
         parts, key = [], None
         for a in range(cfg.num_attention):
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.wire)
-            self.a2f.recv([header], a, 0).wait()
-            seq, target, n = check_header(header.cpu(), cfg, f"request from attention rank {a}")
+            # The header travels on the CPU control group: a data receive is posted only once its
+            # sender has committed to sending, so no GPU receive sits pending (NCCL would block
+            # other communicators' kernels behind it).
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            self.a2f_ctl.recv([header], a, 0).wait()
+            seq, target, n = check_header(header, cfg, f"request from attention rank {a}")
             if key is None:
                 key = (seq, target)
             elif (seq, target) != key:
@@ -381,9 +400,9 @@ class FFNConnector:
         keep = []
         for a in self.my_attention:
             rows = combined[starts[a]:starts[a + 1]].contiguous()
-            header = _header(mb.seq, mb.target, rows.shape[0], cfg).to(self.wire)
+            header = _header(mb.seq, mb.target, rows.shape[0], cfg)
             keep += [header, rows]
-            works.append(self.f2a.send([header], a, 0))
+            works.append(self.f2a_ctl.send([header], a, 0))
             if rows.shape[0]:
                 works.append(self.f2a.send([rows], a, 0))
         for w in works:
@@ -391,7 +410,7 @@ class FFNConnector:
 
     def close(self) -> None:
         self._stop.set()
-        for group in (self.a2f, self.f2a, self.ffn):
+        for group in (self.a2f, self.f2a, self.ffn, self.a2f_ctl, self.f2a_ctl):
             _shutdown(group)
 
 
