@@ -232,6 +232,9 @@ def serve_worker(cfg: FFNWorkerConfig) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         worker.run()
+    except RuntimeError as exc:  # a peer went away (transport error): fail fast, no traceback spam
+        log.error("FFN worker %d stopping: %s", cfg.rank, str(exc).splitlines()[0])
+        return 1
     finally:
         worker.close()
     return 0
