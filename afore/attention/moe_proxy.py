@@ -75,12 +75,25 @@ def _counter(worker: int) -> ForwardCounter:
         return _state
 
 
+EXPERT_PARAMS = ("w13_weight", "w2_weight")
+
+
+def _drop_expert_weight(param, loaded_weight, *args, return_success: bool = False, **kwargs):
+    """Routed-expert checkpoint tensors are not kept on attention workers."""
+    return True if return_success else None
+
+
 class RemoteExpertsMethod(_FusedMoEMethodBase):
     """A modular 'quant method' with no weights: routing stays vLLM's, compute is remote."""
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs) -> None:
-        return None
+        # Empty placeholders: some models' load_weights (DeepSeek-V2/V3, GLM-4.5) look the
+        # expert parameters up by name; their loader drops the checkpoint tensor.
+        for name in EXPERT_PARAMS:
+            param = torch.nn.Parameter(torch.empty(0, dtype=params_dtype), requires_grad=False)
+            param.weight_loader = _drop_expert_weight
+            layer.register_parameter(name, param)
 
     @property
     def supports_internal_mk(self) -> bool:
@@ -126,7 +139,7 @@ class RemoteRoutedExperts(_RoutedExperts):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str]:
         for _name, _tensor in weights:  # routed experts live on the FFN workers
             pass
-        return iter(())
+        return iter(EXPERT_PARAMS)
 
     def remote_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         state = _counter(self.attn_worker)

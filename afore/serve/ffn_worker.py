@@ -201,8 +201,16 @@ class FFNWorker:
         self.link.send_outputs(requests, list(torch.split(out.cpu(), sizes)))
         self.targets += 1
 
+    def stats(self) -> str:
+        return (f"targets {self.targets}, plans run {self.targets - self.plan_misses}, primary-only {self.plan_misses}, "
+                f"refused {self.plans_refused}, migrator rejected {self.shard.rejected}")
+
     def run(self) -> None:
+        reported, next_report = -1, time.monotonic() + 10.0
         while not self.stopping:
+            if time.monotonic() > next_report and self.targets != reported:
+                log.info("worker %d: %s", self.cfg.worker, self.stats())
+                reported, next_report = self.targets, time.monotonic() + 10.0
             requests = self.link.recv_target(timeout_ms=100)
             if requests is None:
                 continue
@@ -211,6 +219,7 @@ class FFNWorker:
             except Exception as exc:  # answer the attention workers rather than let them time out
                 log.exception("target seq %d failed", requests[0].head.seq)
                 self.link.send_error(requests, f"{type(exc).__name__}: {exc}")
+        log.info("worker %d stopped: %s", self.cfg.worker, self.stats())
         self.link.close()
         if self.decisions is not None:
             self.decisions.close()
