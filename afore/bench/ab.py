@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = make_config(args)
         calibration = calibration_from_report(config["calibration"], MODEL, config["window_ms"])
+        workloads = build_workloads(config)
     except ValueError as exc:
         print(f"afore bench ab: {exc}", file=sys.stderr)
         return 2
-    workloads = build_workloads(config)
     data = run_ab(config, calibration, workloads)
     from afore.bench.report import write_report
     markdown = render_markdown(data)
@@ -129,7 +129,7 @@ def make_config(args: argparse.Namespace) -> dict:
         value = getattr(args, name)
         if value is not None and not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{name}: expected a finite value >= 0 (ms), got {value!r}")
-    policies = [p.strip() for p in str(args.policies).split(",") if p.strip()]
+    policies = list(dict.fromkeys(p.strip() for p in str(args.policies).split(",") if p.strip()))
     unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
         raise ValueError(f"policies: expected names among {', '.join(POLICY_NAMES)}, got {args.policies!r}")

@@ -52,3 +52,19 @@ def test_bench_ab_bad_arguments(argv, field, capsys, tmp_path):
     assert main(["bench", "ab", "--out-dir", str(tmp_path), *argv]) == 2
     assert field in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_ab_trace_shorter_than_steps(tmp_path, capsys):
+    folder = tmp_path / "harmoeny"
+    folder.mkdir()
+    rows = [",dataset,iteration,layer_idx," + ",".join(str(e) for e in range(128))]
+    rows += [f"{i},tiny,{it},{layer}," + ",".join("1" for _ in range(128)) for i, (it, layer) in
+             enumerate((it, layer) for it in range(2) for layer in range(6))]
+    (folder / "expert_freq_switch128_datasets.csv").write_text("\n".join(rows) + "\n")
+    argv = ["bench", "ab", "--traces", str(folder), "--eps", "8", "--layers", "1", "--tokens", "16", "--warmup", "0",
+            "--policies", "static", "--out-dir", str(tmp_path / "out")]
+    assert main(argv + ["--steps", "3"]) == 2
+    assert "steps" in capsys.readouterr().err
+    assert main(argv + ["--steps", "2"]) == 0
+    doc = json.loads((tmp_path / "out" / "ab.json").read_text())
+    assert "harmoeny-tiny" in [w["name"] for w in doc["workloads"]]
