@@ -149,3 +149,34 @@ def test_bad_inputs_name_the_field(field, kwargs):
     args.update(kwargs)
     with pytest.raises(ValueError, match=field):
         layer.check_inputs(args["hidden"], args["ids"], args["weights"])
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), f=st.integers(2, 4))
+def test_scheduler_plans_over_a_sequence_of_targets(seed, f):
+    """Plans from Algorithm 1 (evolving slot table, copies applied as the migrator would)."""
+    from afore.config import CostModel, SchedulerParams
+    from afore.scheduler.algorithm import schedule
+    from afore.scheduler.plan import SlotTable
+
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shape = ClusterShape(num_experts=12, num_workers=f, redundant_slots=2, top_k=3, m_tile=2)
+    w13, w2 = torch.randn(12, 2 * I, H, generator=gen) / 4, torch.randn(12, H, I, generator=gen) / 4
+    table = SlotTable.empty(shape)
+    pools = make_pools(shape, table, w13, w2)
+    protected = np.zeros((f, 2), bool)
+    prev = None
+    cost = CostModel(window_ms=10.0)  # copies are cheap against the window: the scheduler uses them
+    for seq in range(6):
+        n = int(rng.integers(4, 40))
+        ids, weights = random_routing(n, shape, rng, skew=2.0)
+        hidden = torch.randn(n, H, generator=gen)
+        demand = np.bincount(ids.reshape(-1).numpy(), minlength=12)
+        plan, table_after = schedule(shape, demand, table, protected, prev, SchedulerParams(copy_budget=3), cost,
+                                     Target(seq, 0, 0), seq)
+        check_plan(shape, plan, table)
+        apply_copies(pools, plan, w13, w2)
+        out = sum(FFNLayer(p, backend="torch")(hidden, ids, weights, plan) for p in pools)
+        assert relative_error(out, dense_moe(hidden, ids, weights, w13, w2)) <= 1e-5
+        table, protected, prev = table_after, table_after.last_used == seq, plan.assignment
