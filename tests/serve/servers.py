@@ -109,12 +109,16 @@ class Server:
         return self.cmd[self.cmd.index("--model") + 1]
 
     def greedy(self, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
-        """Per prompt: token ids and their logprobs (one request per prompt, batched server-side)."""
-        code, out = self.complete(list(prompts), max_tokens=max_tokens)
-        assert code == 200, f"completion failed with {code}: {out}\n{self.tail()}"
+        """Per prompt: token ids and their logprobs.
+
+        One request at a time, so the batch composition (which changes float rounding and can
+        flip near-ties of a random-weight model) is the same on every server.
+        """
         results = []
-        for choice in sorted(out["choices"], key=lambda c: c["index"]):
-            lp = choice["logprobs"]
+        for prompt in prompts:
+            code, out = self.complete(prompt, max_tokens=max_tokens)
+            assert code == 200, f"completion failed with {code}: {out}\n{self.tail()}"
+            lp = out["choices"][0]["logprobs"]
             results.append({"ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]})
         return results
 
