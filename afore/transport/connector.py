@@ -43,8 +43,6 @@ import datetime
 import queue
 import threading
 import time
-from typing import Protocol
-
 import torch
 import torch.distributed as dist
 
@@ -102,14 +100,10 @@ class Microbatch:
     ready: object = None        # CUDA event on the receive stream (None on CPU)
 
 
-class PendingExchange(Protocol):
-    target: Target
-    seq: int
-    num_tokens: int
-
-
 @dataclasses.dataclass
 class _Pending:
+    """Handle of one sent target, for ``AttentionConnector.recv``."""
+
     target: Target
     seq: int
     num_tokens: int

@@ -6,7 +6,6 @@ agreement the two would partition the pairs under different plans (pairs lost or
 
 import pickle
 import signal
-import threading
 import urllib.request
 
 import multiprocessing as mp
