@@ -120,14 +120,21 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SchedulerParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Knobs of Algorithm 1: compactness threshold theta (tiles) and global copy budget B."""
+    """Knobs of Algorithm 1: compactness threshold theta (tiles) and global copy budget B.
+
+    ``chains`` enables afore's improvement phase beyond the paper (single-tile ejection chains
+    within the placement, see ``afore.scheduler.algorithm``); False gives the paper's Algorithm 1
+    exactly (the ablation).
+    """
 
     theta: int = 0
     copy_budget: int = 8
+    chains: bool = True
 
     def __post_init__(self) -> None:
         _require(self.theta >= 0, "theta", ">= 0", self.theta)
         _require(self.copy_budget >= 0, "copy_budget", ">= 0", self.copy_budget)
+        _require(isinstance(self.chains, bool), "chains", "a bool", self.chains)
 
 
 def _require(ok: bool, field: str, expected: str, got: object) -> None:

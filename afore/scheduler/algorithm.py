@@ -1,4 +1,4 @@
-"""Algorithm 1 of the AFORE paper (section 5.2): the Python reference.
+"""Algorithm 1 of the AFORE paper (section 5.2) plus afore's ejection chains: the Python reference.
 
 This module is the executable specification of the per-target scheduler. The production path
 (``afore.scheduler.core``, C++ in ``csrc/scheduler/``) returns the same plan on every input;
@@ -14,7 +14,8 @@ One call plans one target t of one MoE layer:
 Work is counted in tiles of M_tile pairs: k_e = ceil(d_e / M_tile), N[e, w] tiles of e on w,
 tile load T_w = sum_e N[e, w]. Placement P = fixed primaries + every redundant binding of C[t].
 
-Phases (paper Algorithm 1):
+Phases (paper Algorithm 1; the parts marked [chains] go beyond the paper and run only with
+``SchedulerParams.chains`` (default True); ``chains=False`` is the paper's algorithm exactly):
 
 1. InitializeAssignment: k_e is split over the workers where e has a replica in P in proportion
    to A[t-1][e, w], by largest remainder in exact integer arithmetic (quota k_e * a_w / S:
@@ -26,6 +27,12 @@ Phases (paper Algorithm 1):
    that admits a move of q_e = min(N[e, h], floor((T_h - T_c) / 2)) > theta tiles of an expert e
    with N[e, h] > 0 and a replica on c moves the expert with the largest q_e (ties: lower
    expert index). Repeat until no pair admits a move.
+   [chains] Then, if an ejection chain within P exists (``find_chain`` without copy edges), apply
+   it and go back to the pair moves; stop when neither exists. The pair rule stops with a max-load
+   worker whose experts have no replica on any worker 2 or more tiles lighter; a chain shifts
+   one tile along a path of workers (each takes one tile and gives one of another expert, so its
+   load is kept) to such a lighter worker: the sorted load vector decreases lexicographically,
+   so this terminates. Hops move single tiles, so chains need 1 > theta (no-op for theta >= 1).
 3. Rebalancing beyond P: F0 = beta_tile * max_w T_w. While fewer than B copies are planned, the
    same scan looks for e with no replica on c and a safe redundant slot on c: the empty slot of
    lowest index, else the least recently used slot (smallest ``last_used``, ties: lower index)
@@ -36,6 +43,13 @@ Phases (paper Algorithm 1):
    O_t = max(0, M(Delta) - W_t) and M(Delta) = (max copies into one worker) * copy_ms. The search
    goes on through non-positive gains; the candidate with the largest gain > 0 is kept, else the
    within-placement result (no copies).
+   [chains] When the scan finds no move (or B copies are planned), the step is instead an
+   ejection chain that may bind one new replica on one hop (``find_chain`` with copy edges into
+   workers with a safe slot, same slot rule, only while fewer than B copies are planned), or a
+   chain within the current placement; each such step is a candidate evaluated by the same
+   net-gain rule. The search ends when no step exists or when it would take the tile moves of
+   this phase above ``max_beyond_hops`` = 4 F (R + 1) (a chain of n hops counts n; the paper's
+   search makes at most F R moves, so the cap only bounds chains).
 4. Token fill: a[e, w] = N[e, w] * M_tile on every worker but one, which takes the remainder:
    the primary if it holds tiles of e, else the highest-index worker holding tiles of e. So each
    expert has at most one partial tile and ceil(a / M_tile) = N.
@@ -159,10 +173,8 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     tiles = initialize_assignment(k, has, owner, inp.prev_assignment, theta)
     load = tiles.sum(axis=0)
 
-    # Stage 2: rebalancing within the placement.
-    while (move := find_within_move(tiles, load, has, theta)) is not None:
-        e, h, c, q = move
-        _move_tiles(tiles, load, e, h, c, q)
+    # Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
+    rebalance_within(tiles, load, has, theta, params.chains)
 
     # Stage 3: rebalancing beyond the placement.
     f0 = beta * int(load.max())
@@ -171,21 +183,39 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     reserved = np.zeros_like(inp.protected)
     copies: list[tuple[int, int, int, int]] = []
     copies_into = np.zeros(f, np.int64)
-    while len(copies) < budget:
+    hops_made, max_hops = 0, max_beyond_hops(f, shape.redundant_slots)
+    while params.chains or len(copies) < budget:
+        can_copy = len(copies) < budget
         blocked = inp.protected | reserved
-        move = find_beyond_move(tiles, load, has, binding, inp.table_last_used, blocked, theta)
-        if move is None:
+        move = None
+        if can_copy:
+            move = find_beyond_move(tiles, load, has, binding, inp.table_last_used, blocked, theta)
+        if move is not None:
+            hops = [move]
+        elif params.chains:
+            slots = None
+            if can_copy:
+                slots = [safe_slot(w, tiles, binding, inp.table_last_used, blocked) for w in range(f)]
+            hops = find_chain(tiles, load, has, theta, slots)
+            if hops is None:
+                break
+            hops = [(e, u, v, r, 1) for e, u, v, r in hops]
+        else:
             break
-        e, h, c, r, q = move
-        old = int(binding[c, r])
-        if old >= 0:
-            has[old, c] = False
-        binding[c, r] = e
-        has[e, c] = True
-        reserved[c, r] = True
-        copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
-        copies_into[c] += 1
-        _move_tiles(tiles, load, e, h, c, q)
+        if hops_made + len(hops) > max_hops:
+            break
+        hops_made += len(hops)
+        for e, h, c, r, q in hops:
+            if r >= 0:
+                old = int(binding[c, r])
+                if old >= 0:
+                    has[old, c] = False
+                binding[c, r] = e
+                has[e, c] = True
+                reserved[c, r] = True
+                copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
+                copies_into[c] += 1
+            _move_tiles(tiles, load, e, h, c, q)
         exposed = exposed_cost(int(copies_into.max()), copy_ms, window)
         gain = f0 - beta * int(load.max()) - exposed
         if gain > best_gain:
@@ -208,6 +238,12 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
         copies=np.array(copies, np.int32).reshape(-1, 4), tile_load=load.astype(np.int32),
         gain_ms=float(best_gain), exposed_ms=float(best_exposed))
     return plan, SlotTable(binding.astype(np.int32), new_last_used)
+
+
+def max_beyond_hops(num_workers: int, redundant_slots: int) -> int:
+    """Cap on the tile moves of the beyond phase: 4 F (R + 1), above the at most F R copies of
+    the paper's search, so it only bounds chains (and the C++ core's preallocated undo log)."""
+    return 4 * num_workers * (redundant_slots + 1)
 
 
 def placement(owner: np.ndarray, binding: np.ndarray, num_experts: int) -> np.ndarray:
@@ -271,6 +307,85 @@ def find_within_move(tiles: np.ndarray, load: np.ndarray, has: np.ndarray,
             q = np.minimum(tiles[experts, h], half)
             i = int(np.argmax(q))  # first maximum: the lowest expert index
             return int(experts[i]), h, c, int(q[i])
+    return None
+
+
+def rebalance_within(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta: int,
+                     chains: bool) -> None:
+    """Stage 2: pair moves until none is left; with ``chains``, then one ejection chain and again."""
+    while True:
+        while (move := find_within_move(tiles, load, has, theta)) is not None:
+            e, h, c, q = move
+            _move_tiles(tiles, load, e, h, c, q)
+        chain = find_chain(tiles, load, has, theta) if chains else None
+        if chain is None:
+            return
+        for e, u, v, _ in chain:
+            _move_tiles(tiles, load, e, u, v, 1)
+
+
+def find_chain(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta: int,
+               slots: list[int | None] | None = None) -> list[tuple[int, int, int, int]] | None:
+    """FindChain (beyond the paper): an ejection chain of single-tile hops, or None.
+
+    Hops (e, u, v, r): one tile of expert e moves from u to v; r is -1 for a hop onto an existing
+    replica, else the redundant slot of v bound to e (a copy). The chain starts at a worker with
+    the max load T_max, ends at a worker c with T_c <= T_max - 2 and passes through workers that
+    each take one tile and give one, so it lowers one max load by one tile, raises c to at most
+    T_max - 1 and keeps every other load: the sorted load vector decreases lexicographically.
+
+    Breadth-first search over workers, each visited once. Level 0: every worker at T_max, in
+    increasing index. A level is expanded in increasing worker index, first over placement edges
+    u -> v (some expert e with N[e, u] > theta has a replica on v), then, with ``slots`` (the safe
+    slot of each worker, None where it has none), over copy edges u -> v (some e with
+    N[e, u] > theta has no replica on v and v has a safe slot) from workers whose path holds no
+    copy yet, so a chain makes at most one copy. A worker's parent is the first worker of the
+    previous level, in that order, with an edge to it. The search stops at the first level that
+    holds a worker c with T_c <= T_max - 2; c is the first of them by (load, copy on its path,
+    index). Each hop moves the lowest-index expert of its edge. Hops move one tile, so a chain
+    needs 1 > theta.
+    """
+    f = load.size
+    if theta >= 1 or f < 2:
+        return None
+    t_max = int(load.max())
+    if int(load.min()) > t_max - 2:
+        return None
+    parent = np.full(f, -1, np.int64)
+    copied = np.zeros(f, bool)   # the path to the worker holds a copy
+    via_copy = np.zeros(f, bool)  # the hop into the worker is the copy
+    level = np.flatnonzero(load == t_max)
+    seen = np.zeros(f, bool)
+    seen[level] = True
+    while level.size:
+        found = []
+        for u in level:
+            new = np.flatnonzero(has[tiles[:, u] > theta].any(axis=0) & ~seen)
+            parent[new], copied[new], seen[new] = u, copied[u], True
+            found += new.tolist()
+        if slots is not None:
+            for u in level:
+                if copied[u]:
+                    continue
+                movable = tiles[:, u] > theta
+                for v in range(f):
+                    if not seen[v] and slots[v] is not None and np.any(movable & ~has[:, v]):
+                        parent[v], copied[v], via_copy[v], seen[v] = u, True, True, True
+                        found.append(v)
+        light = [v for v in found if load[v] <= t_max - 2]
+        if light:
+            c = min(light, key=lambda v: (int(load[v]), bool(copied[v]), v))
+            hops = []
+            while parent[c] >= 0:
+                u = int(parent[c])
+                movable = tiles[:, u] > theta
+                if via_copy[c]:
+                    hops.append((int(np.flatnonzero(movable & ~has[:, c])[0]), u, c, int(slots[c])))
+                else:
+                    hops.append((int(np.flatnonzero(movable & has[:, c])[0]), u, c, -1))
+                c = u
+            return hops[::-1]
+        level = np.array(sorted(found), np.int64)
     return None
 
 

@@ -65,7 +65,7 @@ def core_arguments(shape: ClusterShape, demand: object, table: SlotTable, protec
         prev = _matrix(prev_assignment, "prev_assignment", (e, f), np.int32)
     return (demand, expert, last_used, protected, prev, min(params.theta, THETA_CAP),
             min(params.copy_budget, f * r), cost.beta_tile_ms, cost.copy_ms, cost.window_ms,
-            int(seq))
+            int(seq), bool(params.chains))
 
 
 def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: object,

@@ -56,7 +56,7 @@ afore::ScheduleInputs make_inputs(const afore::Scheduler& s, const In<int64_t, 1
                                   const In<bool, 2>& protected_slots,
                                   const std::optional<In<int32_t, 2>>& prev_assignment,
                                   int64_t theta, int64_t copy_budget, double beta_tile_ms,
-                                  double copy_ms, double window_ms, int64_t seq) {
+                                  double copy_ms, double window_ms, int64_t seq, bool chains) {
   const int64_t E = s.num_experts(), F = s.num_workers(), R = s.redundant_slots();
   if (static_cast<int64_t>(demand.shape(0)) != E)
     throw std::invalid_argument("demand: expected a vector of length " + std::to_string(E) +
@@ -78,6 +78,7 @@ afore::ScheduleInputs make_inputs(const afore::Scheduler& s, const In<int64_t, 1
   in.copy_ms = copy_ms;
   in.window_ms = window_ms;
   in.seq = seq;
+  in.chains = chains;
   return in;
 }
 
@@ -86,10 +87,10 @@ nb::tuple schedule(afore::Scheduler& s, const In<int64_t, 1>& demand,
                    const In<bool, 2>& protected_slots,
                    const std::optional<In<int32_t, 2>>& prev_assignment, int64_t theta,
                    int64_t copy_budget, double beta_tile_ms, double copy_ms, double window_ms,
-                   int64_t seq) {
+                   int64_t seq, bool chains) {
   const afore::ScheduleInputs in =
       make_inputs(s, demand, table_expert, table_last_used, protected_slots, prev_assignment,
-                  theta, copy_budget, beta_tile_ms, copy_ms, window_ms, seq);
+                  theta, copy_budget, beta_tile_ms, copy_ms, window_ms, seq, chains);
   const size_t E = s.num_experts(), F = s.num_workers(), R = s.redundant_slots();
   const size_t max_copies = static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(copy_budget, F * R)));
   Buffer<bool> replicas(E * F);
@@ -116,11 +117,11 @@ int64_t schedule_bench(afore::Scheduler& s, const In<int64_t, 1>& demand,
                        const In<bool, 2>& protected_slots,
                        const std::optional<In<int32_t, 2>>& prev_assignment, int64_t theta,
                        int64_t copy_budget, double beta_tile_ms, double copy_ms,
-                       double window_ms, int64_t seq, int64_t repeats) {
+                       double window_ms, int64_t seq, bool chains, int64_t repeats) {
   if (repeats < 1) throw std::invalid_argument("repeats: expected >= 1, got " + std::to_string(repeats));
   const afore::ScheduleInputs in =
       make_inputs(s, demand, table_expert, table_last_used, protected_slots, prev_assignment,
-                  theta, copy_budget, beta_tile_ms, copy_ms, window_ms, seq);
+                  theta, copy_budget, beta_tile_ms, copy_ms, window_ms, seq, chains);
   const size_t E = s.num_experts(), F = s.num_workers(), R = s.redundant_slots();
   const size_t max_copies = static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(copy_budget, F * R)));
   std::vector<uint8_t> replicas(E * F);
@@ -164,17 +165,20 @@ NB_MODULE(_scheduler_core, m) {
       .def_prop_ro("m_tile", &afore::Scheduler::m_tile)
       .def_prop_ro("last_within_moves", &afore::Scheduler::last_within_moves,
                    "Moves of the last call within the placement.")
+      .def_prop_ro("last_within_chains", &afore::Scheduler::last_within_chains,
+                   "Ejection chains of the last call applied within the placement.")
       .def_prop_ro("last_beyond_moves", &afore::Scheduler::last_beyond_moves,
-                   "Moves of the last call beyond the placement (explored, kept or not).")
+                   "Tile moves of the last call beyond the placement (explored, kept or not; "
+                   "a chain counts its hops).")
       .def("schedule", &schedule, "demand"_a, "table_expert"_a, "table_last_used"_a,
            "protected"_a, "prev_assignment"_a.none(), "theta"_a, "copy_budget"_a,
-           "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a,
+           "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a, "chains"_a,
            "Plan one target. Returns (replicas bool[E,F], assignment int32[E,F], "
            "tiles int32[E,F], slot int32[E,F], copies int32[C,4], tile_load int32[F], "
            "new_expert int32[F,R], new_last_used int64[F,R], gain_ms, exposed_ms).")
       .def("schedule_bench", &schedule_bench, "demand"_a, "table_expert"_a,
            "table_last_used"_a, "protected"_a, "prev_assignment"_a.none(), "theta"_a,
-           "copy_budget"_a, "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a,
+           "copy_budget"_a, "beta_tile_ms"_a, "copy_ms"_a, "window_ms"_a, "seq"_a, "chains"_a,
            "repeats"_a,
            "Run the same call `repeats` times into reused buffers (GIL released) and return "
            "the median wall time of one call in ns: the core alone, validation and full "

@@ -1,7 +1,10 @@
-// Algorithm 1 of the AFORE paper: the C++ production core (see scheduler.hpp).
+// Algorithm 1 of the AFORE paper plus afore's ejection chains: the C++ production core (see
+// scheduler.hpp).
 //
 // The scan rules, tie-breaks and arithmetic follow afore/scheduler/algorithm.py line for line;
 // what differs is bookkeeping only:
+//  - the chain search visits each worker once with stamps instead of cleared flags, and finds
+//    each worker's placement edges through the replica lists of the experts on it;
 //  - donors/receivers are kept sorted incrementally (two workers change load per move);
 //  - within a donor, the first receiver in scan order that some movable expert reaches is the
 //    minimum over the replica sets of the movable experts, so no receiver loop is needed;
@@ -84,7 +87,15 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   safe_slot_.assign(F_, -1);
   stuck_.assign(F_, 0);
   copies_into_.assign(F_, 0);
-  moves_.reserve(F_ * R_);
+  max_hops_ = 4 * F_ * (R_ + 1);  // algorithm.max_beyond_hops
+  moves_.reserve(static_cast<size_t>(max_hops_));
+  chain_.resize(F_);
+  bfs_queue_.assign(F_, 0);
+  bfs_parent_.assign(F_, -1);
+  bfs_copied_.assign(F_, 0);
+  bfs_via_copy_.assign(F_, 0);
+  bfs_seen_.assign(F_, 0);
+  bfs_pending_.assign(F_, 0);
   remainder_.assign(F_, 0);
   lr_workers_.assign(F_, 0);
   seen_stamp_.assign(E_, -1);
@@ -368,6 +379,103 @@ bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t&
   return false;
 }
 
+bool Scheduler::has_copy_edge(int32_t u, int32_t v, int64_t theta) const {
+  const int32_t* on = &on_[u * E_];
+  for (int32_t j = 0; j < on_count_[u]; ++j) {
+    const int32_t x = on[j];
+    if (tiles_[x * F_ + u] > theta && !has_[x * F_ + v]) return true;
+  }
+  return false;
+}
+
+// The lowest-index expert with more than theta tiles on u and (copy ? no : a) replica on v.
+int32_t Scheduler::hop_expert(int32_t u, int32_t v, int64_t theta, bool copy) const {
+  const int32_t* on = &on_[u * E_];
+  int32_t best = -1;
+  for (int32_t j = 0; j < on_count_[u]; ++j) {
+    const int32_t x = on[j];
+    if (tiles_[x * F_ + u] > theta && (has_[x * F_ + v] != 0) != copy && (best < 0 || x < best))
+      best = x;
+  }
+  return best;
+}
+
+// FindChain (algorithm.find_chain): breadth-first search from the max-load workers over
+// placement edges, then (allow_copy) copy edges into workers with a safe slot, to the first
+// level holding a worker at least 2 tiles below the max; the hops go to chain_[0, n_hops).
+bool Scheduler::find_chain(int64_t theta, bool allow_copy, int32_t& n_hops) {
+  if (theta >= 1 || F_ < 2) return false;
+  const int64_t t_max = load_[donors_[0]];
+  if (load_[receivers_[0]] > t_max - 2) return false;
+  const int64_t stamp = ++bfs_stamp_;
+  int32_t n = 0;
+  const auto visit = [&](int32_t v, int32_t parent, uint8_t copied, uint8_t via_copy) {
+    bfs_seen_[v] = stamp;
+    bfs_parent_[v] = parent;
+    bfs_copied_[v] = copied;
+    bfs_via_copy_[v] = via_copy;
+    bfs_queue_[n++] = v;
+  };
+  // Level 0: the max-load workers; donors_ orders equal loads by index.
+  for (int64_t i = 0; i < F_ && load_[donors_[i]] == t_max; ++i) visit(donors_[i], -1, 0, 0);
+  int32_t pending = 0;
+  if (allow_copy)
+    for (int32_t w = 0; w < F_; ++w)
+      if (safe_slot_[w] >= 0 && bfs_seen_[w] != stamp) bfs_pending_[pending++] = w;
+  int32_t begin = 0, end = n;
+  while (begin < end) {
+    for (int32_t i = begin; i < end; ++i) {  // placement edges
+      const int32_t u = bfs_queue_[i];
+      const int32_t* on = &on_[u * E_];
+      for (int32_t j = 0; j < on_count_[u]; ++j) {
+        const int32_t x = on[j];
+        if (tiles_[x * F_ + u] <= theta) continue;
+        const int32_t* reps = &rep_[x * F_];
+        for (int32_t k = 0; k < rep_count_[x]; ++k)
+          if (bfs_seen_[reps[k]] != stamp) visit(reps[k], u, bfs_copied_[u], 0);
+      }
+    }
+    for (int32_t i = begin; i < end && pending > 0; ++i) {  // copy edges
+      const int32_t u = bfs_queue_[i];
+      if (bfs_copied_[u]) continue;
+      int32_t keep = 0;
+      for (int32_t p = 0; p < pending; ++p) {
+        const int32_t v = bfs_pending_[p];
+        if (bfs_seen_[v] == stamp) continue;
+        if (has_copy_edge(u, v, theta))
+          visit(v, u, 1, 1);
+        else
+          bfs_pending_[keep++] = v;
+      }
+      pending = keep;
+    }
+    int32_t best = -1;
+    for (int32_t i = end; i < n; ++i) {
+      const int32_t v = bfs_queue_[i];
+      if (load_[v] > t_max - 2) continue;
+      if (best < 0 || load_[v] < load_[best] ||
+          (load_[v] == load_[best] &&
+           (bfs_copied_[v] < bfs_copied_[best] || (bfs_copied_[v] == bfs_copied_[best] && v < best))))
+        best = v;
+    }
+    if (best >= 0) {
+      int32_t len = 0;
+      for (int32_t v = best; bfs_parent_[v] >= 0; v = bfs_parent_[v]) ++len;
+      n_hops = len;
+      for (int32_t v = best; bfs_parent_[v] >= 0; v = bfs_parent_[v]) {
+        const int32_t u = bfs_parent_[v];
+        const bool copy = bfs_via_copy_[v] != 0;
+        chain_[--len] = Hop{hop_expert(u, v, theta, copy), u, v, copy ? safe_slot_[v] : -1};
+      }
+      return true;
+    }
+    std::sort(bfs_queue_.begin() + end, bfs_queue_.begin() + n);
+    begin = end;
+    end = n;
+  }
+  return false;
+}
+
 int32_t Scheduler::safe_slot(int32_t c, const ScheduleInputs& in) const {
   const int64_t base = c * R_;
   for (int64_t r = 0; r < R_; ++r)
@@ -440,13 +548,20 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
   int32_t e, h, c, r;
   int64_t q;
 
-  // Stage 2: rebalancing within the placement.
-  within_moves_ = 0;
+  // Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
+  within_moves_ = within_chains_ = 0;
   std::fill(stuck_.begin(), stuck_.end(), 0);
-  while (find_within_move(theta, e, h, c, q)) {
-    move_tiles(e, h, c, q);
-    unstick_after_move(theta, h, c);
-    ++within_moves_;
+  int32_t n_hops = 0;
+  while (true) {
+    while (find_within_move(theta, e, h, c, q)) {
+      move_tiles(e, h, c, q);
+      unstick_after_move(theta, h, c);
+      ++within_moves_;
+    }
+    if (!in.chains || !find_chain(theta, false, n_hops)) break;
+    for (int32_t i = 0; i < n_hops; ++i) move_tiles(chain_[i].expert, chain_[i].from, chain_[i].to, 1);
+    std::fill(stuck_.begin(), stuck_.end(), 0);  // rare: no incremental unsticking needed
+    ++within_chains_;
   }
 
   // Stage 3: rebalancing beyond the placement; keep the best positive net gain.
@@ -454,23 +569,43 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
   const double f0 = beta * static_cast<double>(load_[donors_[0]]);
   double best_gain = 0.0, best_exposed = 0.0;
   size_t best_len = 0;
-  int64_t max_into = 0;
+  int64_t max_into = 0, n_copies = 0, hops_made = 0;
   moves_.clear();
   const int64_t budget = std::min(in.copy_budget, F_ * R_);  // each copy reserves a distinct slot
   if (budget > 0)
     for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
-  while (static_cast<int64_t>(moves_.size()) < budget && find_beyond_move(in, e, h, c, r, q)) {
-    const int32_t old = binding_[c * R_ + r];
-    if (old >= 0) remove_replica(old, c);
-    binding_[c * R_ + r] = e;
-    add_replica(e, c);
-    reserved_[c * R_ + r] = 1;
-    max_into = std::max(max_into, ++copies_into_[c]);
-    moves_.push_back(Move{e, h, c, r, old, q});
-    move_tiles(e, h, c, q);
-    // Only c (binding, reservation, tiles) and h (tiles) changed their safe slot.
-    safe_slot_[c] = safe_slot(c, in);
-    safe_slot_[h] = safe_slot(h, in);
+  while (in.chains || n_copies < budget) {
+    const bool can_copy = n_copies < budget;
+    int64_t hop_tiles = 1;
+    if (can_copy && find_beyond_move(in, e, h, c, r, q)) {
+      chain_[0] = Hop{e, h, c, r};
+      n_hops = 1;
+      hop_tiles = q;
+    } else if (!in.chains || !find_chain(theta, can_copy, n_hops)) {
+      break;
+    }
+    if (hops_made + n_hops > max_hops_) break;  // moves_ never grows past its reservation
+    hops_made += n_hops;
+    for (int32_t i = 0; i < n_hops; ++i) {
+      const Hop hop = chain_[i];
+      int32_t old = -1;
+      if (hop.slot >= 0) {
+        old = binding_[hop.to * R_ + hop.slot];
+        if (old >= 0) remove_replica(old, hop.to);
+        binding_[hop.to * R_ + hop.slot] = hop.expert;
+        add_replica(hop.expert, hop.to);
+        reserved_[hop.to * R_ + hop.slot] = 1;
+        max_into = std::max(max_into, ++copies_into_[hop.to]);
+        ++n_copies;
+      }
+      moves_.push_back(Move{hop.expert, hop.from, hop.to, hop.slot, old, hop_tiles});
+      move_tiles(hop.expert, hop.from, hop.to, hop_tiles);
+    }
+    // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
+    for (int32_t i = 0; i < n_hops; ++i) {
+      safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
+      safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
+    }
     const double exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
     const double gain = f0 - beta * static_cast<double>(load_[donors_[0]]) - exposed;
     if (gain > best_gain) {
@@ -484,6 +619,7 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
     const Move m = moves_.back();
     moves_.pop_back();
     move_tiles(m.expert, m.receiver, m.donor, m.tiles);
+    if (m.slot < 0) continue;
     remove_replica(m.expert, m.receiver);
     if (m.old_expert >= 0) add_replica(m.old_expert, m.receiver);
     binding_[m.receiver * R_ + m.slot] = m.old_expert;
@@ -535,14 +671,16 @@ void Scheduler::write_outputs(const ScheduleInputs& in, ScheduleOutputs& out) co
     }
   }
   for (int64_t w = 0; w < F_; ++w) out.tile_load[w] = static_cast<int32_t>(load_[w]);
-  out.num_copies = static_cast<int64_t>(moves_.size());
-  for (size_t i = 0; i < moves_.size(); ++i) {
-    const Move& m = moves_[i];
+  int64_t i = 0;
+  for (const Move& m : moves_) {
+    if (m.slot < 0) continue;
     out.copies[4 * i + 0] = m.expert;
     out.copies[4 * i + 1] = owner_[m.expert];
     out.copies[4 * i + 2] = m.receiver;
     out.copies[4 * i + 3] = pcount_[m.receiver] + m.slot;
+    ++i;
   }
+  out.num_copies = i;
 }
 
 void Scheduler::reset() {

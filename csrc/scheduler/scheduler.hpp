@@ -1,4 +1,4 @@
-// Algorithm 1 of the AFORE paper: the C++ production core.
+// Algorithm 1 of the AFORE paper, plus afore's ejection chains: the C++ production core.
 //
 // Same result as the Python reference afore/scheduler/algorithm.py on every input (all arrays
 // equal; gain and exposed cost computed by the same IEEE operations in the same order).
@@ -25,6 +25,7 @@ struct ScheduleInputs {
   double copy_ms;
   double window_ms;
   int64_t seq;
+  bool chains = true;             // ejection chains (beyond the paper); false = Algorithm 1 only
 };
 
 // Dense outputs, written in full by Scheduler::run.
@@ -50,8 +51,10 @@ class Scheduler {
   int64_t num_workers() const { return F_; }
   int64_t redundant_slots() const { return R_; }
   int64_t m_tile() const { return M_; }
-  // Moves of the last call: within the placement, and beyond it (explored, kept or not).
+  // Moves of the last call: within the placement (pair moves), ejection chains applied within
+  // the placement, and tile moves beyond it (explored, kept or not; a chain counts its hops).
   int64_t last_within_moves() const { return within_moves_; }
+  int64_t last_within_chains() const { return within_chains_; }
   int64_t last_beyond_moves() const { return beyond_moves_; }
 
   // Validates the inputs (throws std::invalid_argument naming the field), then plans.
@@ -60,9 +63,12 @@ class Scheduler {
   void run(const ScheduleInputs& in, ScheduleOutputs& out);
 
  private:
-  struct Move {
+  struct Move {  // one tile move of the beyond phase (slot -1: onto an existing replica)
     int32_t expert, donor, receiver, slot, old_expert;
     int64_t tiles;
+  };
+  struct Hop {  // one hop of an ejection chain: one tile of expert from -> to (slot -1: no copy)
+    int32_t expert, from, to, slot;
   };
 
   void validate(const ScheduleInputs& in);
@@ -72,6 +78,9 @@ class Scheduler {
   int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
   bool find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& h, int32_t& c,
                         int32_t& r, int64_t& q);
+  bool find_chain(int64_t theta, bool allow_copy, int32_t& n_hops);
+  bool has_copy_edge(int32_t u, int32_t v, int64_t theta) const;
+  int32_t hop_expert(int32_t u, int32_t v, int64_t theta, bool copy) const;
   void move_tiles(int32_t e, int32_t h, int32_t c, int64_t q);
   void add_tiles(int32_t e, int32_t w, int64_t n);
   void add_replica(int32_t e, int32_t w);
@@ -115,12 +124,21 @@ class Scheduler {
   std::vector<int32_t> safe_slot_;    // [F] cached safe slot of each worker (-1: none)
   std::vector<uint8_t> stuck_;        // [F] donor known to have no within move
   std::vector<int64_t> copies_into_;  // [F]
-  std::vector<Move> moves_;           // capacity F*R
+  std::vector<Move> moves_;           // capacity max_hops_: 4 F (R + 1)
+  int64_t max_hops_ = 0;              // cap on the tile moves of the beyond phase
+  std::vector<Hop> chain_;            // [F] hops of the last chain found
+  std::vector<int32_t> bfs_queue_;    // [F] chain search: visited workers, level by level
+  std::vector<int32_t> bfs_parent_;   // [F]
+  std::vector<uint8_t> bfs_copied_;   // [F] the path to the worker holds a copy
+  std::vector<uint8_t> bfs_via_copy_; // [F] the hop into the worker is the copy
+  std::vector<int64_t> bfs_seen_;     // [F] stamp of the search that visited the worker
+  std::vector<int32_t> bfs_pending_;  // [F] workers with a safe slot not visited yet
+  int64_t bfs_stamp_ = 0;
   std::vector<int64_t> remainder_;    // [F] scratch for largest remainder
   std::vector<int32_t> lr_workers_;   // [F]
   std::vector<int64_t> seen_stamp_;   // [E] duplicate-binding check: stamp of (call, worker)
   int64_t stamp_ = 0;
-  int64_t within_moves_ = 0, beyond_moves_ = 0;
+  int64_t within_moves_ = 0, within_chains_ = 0, beyond_moves_ = 0;
 };
 
 }  // namespace afore

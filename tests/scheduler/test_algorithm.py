@@ -31,12 +31,13 @@ def table_of(shape: ClusterShape, bindings: dict[tuple[int, int], int] | None = 
 
 
 def plan_with(shape, demand, table=None, protected=None, prev=None, theta=0, budget=8,
-              cost=FREE_COPIES, seq=0):
+              cost=FREE_COPIES, seq=0, chains=True):
     table = table if table is not None else SlotTable.empty(shape)
     if protected is None:
         protected = np.zeros((shape.num_workers, shape.redundant_slots), bool)
     plan, new = algorithm.schedule(shape, np.asarray(demand, np.int64), table, protected, prev,
-                                   SchedulerParams(theta=theta, copy_budget=budget), cost, T0, seq)
+                                   SchedulerParams(theta=theta, copy_budget=budget, chains=chains),
+                                   cost, T0, seq)
     check_plan(shape, plan, table)
     return plan, new
 
@@ -243,7 +244,7 @@ def instances(draw, max_experts=40, max_workers=10):
     if draw(st.booleans()):
         prev = (rng.integers(0, 50, (e, f)) * (rng.random((e, f)) < 0.4)).astype(np.int32)
     params = SchedulerParams(theta=draw(st.sampled_from([0, 0, 1, 3, 1000])),
-                             copy_budget=draw(st.integers(0, 6)))
+                             copy_budget=draw(st.integers(0, 6)), chains=draw(st.booleans()))
     cost = CostModel(beta_tile_ms=draw(st.sampled_from([0.0, 0.004, 0.05])),
                      copy_latency_ms=draw(st.sampled_from([0.001, 0.05])), bytes_per_expert=0,
                      window_ms=draw(st.sampled_from([0.0, 0.1, 1.0])))
@@ -322,8 +323,10 @@ def test_rebalancing_never_raises_the_initial_max_tile_load(instance):
     assert plan.max_tile_load <= init.sum(axis=0).max(initial=0)
     # Without copies the plan is the within phase's fixed point: no eligible move is left.
     if len(plan.copies) == 0:
-        assert algorithm.find_within_move(plan.tiles.astype(np.int64), plan.tile_load.astype(np.int64),
-                                          plan.replicas, params.theta) is None
+        tiles, load = plan.tiles.astype(np.int64), plan.tile_load.astype(np.int64)
+        assert algorithm.find_within_move(tiles, load, plan.replicas, params.theta) is None
+        if params.chains:
+            assert algorithm.find_chain(tiles, load, plan.replicas, params.theta) is None
 
 
 # ---- bad input: both implementations --------------------------------------------------------
@@ -403,14 +406,121 @@ def test_bad_input_raises_value_error_naming_the_field(impl, field, override, me
 
 
 def test_following_the_previous_assignment_can_end_above_primary_only():
-    # Algorithm 1 adapts A[t-1]; without copies the within phase can stop at a staircase of
-    # loads [3, 2, 1] (every gap between replicas is 1) although primary-only gives [2, 2, 2].
+    # Algorithm 1 adapts A[t-1]; without copies the paper's within phase can stop at a staircase
+    # of loads [3, 2, 1] (every gap between replicas is 1) although primary-only gives [2, 2, 2].
     # "Never worse than primary-only" therefore holds for prev_assignment=None (property above)
     # and, with a previous assignment, only relative to the initial assignment.
     shape = ClusterShape(num_experts=3, num_workers=3, redundant_slots=1, m_tile=1, top_k=1)
     table = table_of(shape, {(0, 0): 1, (1, 0): 2})
     prev = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], np.int32)
-    plan, _ = plan_with(shape, [2, 2, 2], table, prev=prev, budget=0)
+    plan, _ = plan_with(shape, [2, 2, 2], table, prev=prev, budget=0, chains=False)
     assert plan.tile_load.tolist() == [3, 2, 1]
-    plan, _ = plan_with(shape, [2, 2, 2], table, prev=prev, budget=1)
+    plan, _ = plan_with(shape, [2, 2, 2], table, prev=prev, budget=1, chains=False)
     assert plan.tile_load.tolist() == [2, 2, 2]  # one copy breaks the staircase
+
+
+# ---- ejection chains (beyond the paper) -----------------------------------------------------
+
+def test_a_chain_within_the_placement_breaks_the_staircase_without_a_copy():
+    # Same instance: replicas e0 {w0}, e1 {w1, w0}, e2 {w2, w1}; initial tiles e0 w0:2,
+    # e1 w0:1 w1:1, e2 w1:1 w2:1, loads [3, 2, 1]. No pair move (w0's experts are not on w2).
+    # Search from w0 (T_max 3): w0 -> w1 (e1 on w0, replica on w1), w1 load 2 > 3 - 2;
+    # w1 -> w2 (e2), w2 load 1 <= 1. Hops: one tile of e1 w0 -> w1, one tile of e2 w1 -> w2.
+    shape = ClusterShape(num_experts=3, num_workers=3, redundant_slots=1, m_tile=1, top_k=1)
+    table = table_of(shape, {(0, 0): 1, (1, 0): 2})
+    prev = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 1]], np.int32)
+    plan, new = plan_with(shape, [2, 2, 2], table, prev=prev, budget=0)
+    assert plan.tile_load.tolist() == [2, 2, 2]
+    assert plan.tiles.tolist() == [[2, 0, 0], [0, 2, 0], [0, 0, 2]]
+    assert plan.copies.shape == (0, 4) and plan.gain_ms == 0.0
+    assert np.array_equal(new.expert, table.expert)
+    # The search itself, on the initial state: the hops (expert, from, to, slot -1 = no copy).
+    tiles = np.array([[2, 0, 0], [1, 1, 0], [0, 1, 1]], np.int64)
+    has = algorithm.placement(shape.primary_owner, table.expert.astype(np.int64), 3)
+    assert algorithm.find_chain(tiles, tiles.sum(axis=0), has, 0) == [(1, 0, 1, -1), (2, 1, 2, -1)]
+    assert algorithm.find_chain(tiles, tiles.sum(axis=0), has, 1) is None  # 1-tile hops need theta < 1
+    # theta >= 1: the phase is a no-op, the paper's staircase stays.
+    plan, _ = plan_with(shape, [2, 2, 2], table, prev=prev, budget=0, theta=1)
+    assert plan.tile_load.tolist() == [3, 2, 1]
+
+
+def test_a_chain_beyond_the_placement_copies_onto_a_worker_that_passes_a_tile_on():
+    # e0 on w0, e1 on w1 and (protected) on w2's redundant slot, e2 on w2. Demand 4, 3, 2 tiles:
+    # loads [4, 3, 2], no pair move (w0's only expert e0 is on no other worker), no chain within.
+    # Beyond: w2 is the only worker 2 lighter than w0 and has no safe slot; w1 (empty slot) is
+    # only 1 lighter, so the paper's scan finds nothing. The chain: copy e0 into w1's slot 0
+    # (physical slot 1) and move one tile w0 -> w1, then one tile of e1 w1 -> w2: [3, 3, 3].
+    shape = ClusterShape(num_experts=3, num_workers=3, redundant_slots=1, m_tile=1, top_k=1)
+    table = table_of(shape, {(2, 0): 1})
+    protected = np.array([[False], [False], [True]])
+    plan, new = plan_with(shape, [4, 3, 2], table, protected=protected, chains=False)
+    assert plan.tile_load.tolist() == [4, 3, 2] and plan.copies.shape == (0, 4)
+    plan, new = plan_with(shape, [4, 3, 2], table, protected=protected)
+    assert plan.copies.tolist() == [[0, 0, 1, 1]]
+    assert plan.tiles.tolist() == [[3, 1, 0], [0, 2, 1], [0, 0, 2]]
+    assert plan.tile_load.tolist() == [3, 3, 3]
+    assert plan.gain_ms == pytest.approx(FREE_COPIES.beta_tile_ms)  # one tile, copy hidden
+    assert new.expert.tolist() == [[-1], [0], [1]]
+    # Without a positive net gain (copy exposed) the placement stays.
+    exposed = CostModel(beta_tile_ms=0.01, copy_latency_ms=0.5, bytes_per_expert=0, window_ms=0.0)
+    plan, _ = plan_with(shape, [4, 3, 2], table, protected=protected, cost=exposed)
+    assert plan.tile_load.tolist() == [4, 3, 2] and plan.copies.shape == (0, 4)
+    # With the copy budget spent there is no chain with a copy either.
+    plan, _ = plan_with(shape, [4, 3, 2], table, protected=protected, budget=0)
+    assert plan.tile_load.tolist() == [4, 3, 2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(instances())
+def test_chains_are_a_no_op_for_theta_at_least_one(instance):
+    shape, demand, table, protected, prev, params, cost = instance
+    theta = max(params.theta, 1)
+    plans = [algorithm.schedule(shape, demand, table, protected, prev,
+                                SchedulerParams(theta=theta, copy_budget=params.copy_budget, chains=c),
+                                cost, T0, 1)[0] for c in (True, False)]
+    for name in ("assignment", "tiles", "copies", "slot"):
+        assert np.array_equal(getattr(plans[0], name), getattr(plans[1], name))
+
+
+@settings(max_examples=80, deadline=None)
+@given(instances())
+def test_within_the_placement_chains_never_end_above_the_paper_rule(instance):
+    # B = 0: after the paper's fixed point, chains and pair moves only lower the sorted
+    # (decreasing) load vector lexicographically.
+    shape, demand, table, protected, prev, params, cost = instance
+    paper, chained = (algorithm.schedule(shape, demand, table, protected, prev,
+                                         SchedulerParams(theta=0, copy_budget=0, chains=c), cost, T0, 1)[0]
+                      for c in (False, True))
+    assert sorted(chained.tile_load, reverse=True) <= sorted(paper.tile_load, reverse=True)
+    assert chained.max_tile_load <= paper.max_tile_load
+
+
+@settings(max_examples=80, deadline=None)
+@given(instances(), st.booleans())
+def test_a_chain_lowers_one_max_load_and_keeps_the_intermediate_loads(instance, with_copies):
+    shape, demand, table, protected, prev, params, cost = instance
+    plan, _ = algorithm.schedule(shape, demand, table, protected, prev,
+                                 SchedulerParams(theta=0, copy_budget=0, chains=False), cost, T0, 1)
+    tiles, load = plan.tiles.astype(np.int64), plan.tile_load.astype(np.int64)
+    has = plan.replicas.copy()
+    binding = table.expert.astype(np.int64)
+    slots = None
+    if with_copies:
+        slots = [algorithm.safe_slot(w, tiles, binding, table.last_used, protected)
+                 for w in range(shape.num_workers)]
+    chain = algorithm.find_chain(tiles, load, has, 0, slots)
+    if chain is None:
+        return
+    workers = [chain[0][1]] + [v for _, _, v, _ in chain]
+    assert len(set(workers)) == len(workers)  # a simple path
+    assert load[workers[0]] == load.max() and load[workers[-1]] <= load.max() - 2
+    assert sum(r >= 0 for *_, r in chain) <= (1 if with_copies else 0)
+    after = load.copy()
+    for e, u, v, r in chain:
+        assert tiles[e, u] > 0
+        assert (has[e, v] if r < 0 else not has[e, v] and slots[v] == r)
+        after[u] -= 1
+        after[v] += 1
+    assert after[workers[0]] == load[workers[0]] - 1 and after[workers[-1]] == load[workers[-1]] + 1
+    assert np.array_equal(np.delete(after, [workers[0], workers[-1]]), np.delete(load, [workers[0], workers[-1]]))
+    assert sorted(after, reverse=True) < sorted(load, reverse=True)

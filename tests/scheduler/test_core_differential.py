@@ -81,7 +81,8 @@ def instances(draw):
     if draw(st.booleans()):
         prev = (rng.integers(0, 200, (e, f)) * (rng.random((e, f)) < 0.3)).astype(np.int32)
     params = SchedulerParams(theta=draw(st.sampled_from([0, 1, 0, 2, 5, 10**6])),
-                             copy_budget=draw(st.sampled_from([8, 1, 2, 4, 16, 8, 0, 10**9])))
+                             copy_budget=draw(st.sampled_from([8, 1, 2, 4, 16, 8, 0, 10**9])),
+                             chains=draw(st.sampled_from([True, False])))
     cost = CostModel(beta_tile_ms=draw(st.sampled_from([0.004, 0.03, 0.004, 0.03, 0.0])),
                      copy_latency_ms=draw(st.sampled_from([0.01, 0.2, 0.0])),
                      bytes_per_expert=draw(st.sampled_from([0, 3 * 4096 * 1536 * 2])),
@@ -144,12 +145,13 @@ def test_core_equals_reference_on_edge_cases(name):
         assert plan.max_tile_load < 8 * 4096 // 16
 
 
-@pytest.mark.parametrize("workers,redundant,m_tile", [(8, 2, 16), (32, 2, 16), (5, 3, 1)])
-def test_core_and_reference_stay_identical_over_a_sequence_of_targets(workers, redundant, m_tile):
+@pytest.mark.parametrize("workers,redundant,m_tile,theta", [(8, 2, 16, 1), (32, 2, 16, 1), (5, 3, 1, 1),
+                                                             (8, 2, 16, 0), (32, 4, 16, 0), (5, 3, 1, 0)])
+def test_core_and_reference_stay_identical_over_a_sequence_of_targets(workers, redundant, m_tile, theta):
     shape = ClusterShape(num_experts=128, num_workers=workers, redundant_slots=redundant,
                          m_tile=m_tile, top_k=8)
     rng = np.random.default_rng(workers)
-    params, cost = SchedulerParams(theta=1, copy_budget=4), CostModel(window_ms=0.05)
+    params, cost = SchedulerParams(theta=theta, copy_budget=4), CostModel(window_ms=0.05)
     popularity = 1.0 / np.arange(1, 129) ** 1.1
     ref_state = core_state = (SlotTable.empty(shape), np.zeros((workers, redundant), bool), None)
     copies = 0
