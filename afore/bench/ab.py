@@ -14,7 +14,8 @@ Default configuration (the paper's setting, section 7):
 - M = 2 microbatches in flight of 1024 decode tokens each (one token per sequence: 2048 sequences
   in decode, 16384 token-expert pairs per step and layer), the scale of the paper's runs (about
   11k tokens/s at about 0.3 s ITL, i.e. a few thousand sequences in flight).
-- R = 4 redundant slots per worker and layer, copy budget B = F, theta = 0, M_tile = 16 (the tile
+- R = 4 redundant slots per worker and layer, copy budget B = F, theta = 0, ejection chains on
+  (the scheduler default; `--no-chains` = the paper's Algorithm 1), M_tile = 16 (the tile
   of the measured grouped GEMM); EPLB re-runs every 8 observations of a layer over the last 16
   (the replayed sequences are short; vLLM's defaults would never rebalance within them).
 - Attention stage per layer and microbatch: as long as the FFN stage of a perfectly balanced
@@ -68,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundant-slots", type=int, default=4, help="R redundant slots per worker per layer")
     parser.add_argument("--copy-budget", type=int, default=None, help="B new replicas per target (default: F)")
     parser.add_argument("--theta", type=int, default=0, help="compactness threshold (tiles)")
+    parser.add_argument("--no-chains", action="store_true",
+                        help="plan with the paper's Algorithm 1 exactly (no ejection chains; SchedulerParams.chains=False)")
     parser.add_argument("--m-tile", type=int, default=16, help="grouped-GEMM M tile (pairs); the calibration measured 16")
     parser.add_argument("--attention-ms", type=float, default=None,
                         help="attention stage per layer and microbatch (ms; default: balanced with the FFN stage)")
@@ -148,7 +151,7 @@ def make_config(args: argparse.Namespace) -> dict:
         "eps": eps, "tokens": args.tokens, "microbatches": args.microbatches, "steps": steps, "warmup": warmup,
         "layers": layers, "redundant_slots": args.redundant_slots, "copy_budget": args.copy_budget,
         "copy_budget_rule": "B = F" if args.copy_budget is None else f"B = {args.copy_budget}",
-        "theta": args.theta, "m_tile": args.m_tile, "attention_ms": args.attention_ms, "window_ms": args.window_ms,
+        "theta": args.theta, "chains": not args.no_chains, "m_tile": args.m_tile, "attention_ms": args.attention_ms, "window_ms": args.window_ms,
         "transfer_ms": args.transfer_ms,
         "calibration": str(calibration), "policies": policies, "policy_options": POLICY_OPTIONS,
         "traces": args.traces, "real": not args.no_real, "seed": args.seed,
@@ -209,7 +212,7 @@ def run_ab(config: dict, calibration: Calibration, workloads: list[dict]) -> dic
     per_ep = []
     for ep in config["eps"]:
         budget = ep if config["copy_budget"] is None else config["copy_budget"]
-        params = SchedulerParams(theta=config["theta"], copy_budget=budget)
+        params = SchedulerParams(theta=config["theta"], copy_budget=budget, chains=config["chains"])
         results = []
         for w in workloads:
             s_, l_, m_, _ = w["counts"].shape
@@ -297,7 +300,8 @@ def render_markdown(data: dict) -> str:
              f"{c['model']} expert shape (E = {c['num_experts']}, top-{c['top_k']}, H = {c['hidden']}, I = {c['moe_intermediate']}), "
              f"EP {', '.join(map(str, c['eps']))}; {c['microbatches']} microbatches in flight x {c['tokens']} decode tokens "
              f"({c['microbatches'] * c['tokens']} tokens per step); {c['steps']} steps per workload, the first {c['warmup']} left out; "
-             f"M_tile = {c['m_tile']}, R = {c['redundant_slots']}, copy budget {c['copy_budget_rule']}, theta = {c['theta']}. "
+             f"M_tile = {c['m_tile']}, R = {c['redundant_slots']}, copy budget {c['copy_budget_rule']}, theta = {c['theta']}, "
+             f"{'ejection chains on (SchedulerParams.chains)' if c['chains'] else 'the paper Algorithm 1 exactly (--no-chains)'}. "
              f"EPLB: every {POLICY_OPTIONS['eplb']['period']} observations of a layer over the last {POLICY_OPTIONS['eplb']['window']}.", "",
              f"Calibration ({cal['source']['device']}, `{cal['source']['report_command']}`, {cal['source']['report_date_utc']}): "
              f"FFN stage = {cal['intercept_ms']:.4f} ms + {cal['beta_tile_ms']:.5f} ms/tile x max tile load + exposed copies; "

@@ -17,6 +17,7 @@ def test_bench_ab_tiny(tmp_path):
     doc = json.loads((tmp_path / "ab-test.json").read_text())
     assert doc["config"]["policies"] == ["static", "afore", "harmoeny", "afore-no-overlap"]  # static added as the reference
     assert doc["calibration"]["model"] == "GLM-4.5-Air" and doc["calibration"]["beta_tile_ms"] > 0
+    assert doc["config"]["chains"] is True
     assert [e["ep"] for e in doc["per_ep"]] == [4, 8]
     names = [w["name"] for w in doc["workloads"]]
     assert any(n.startswith("synthetic-shift") for n in names) and "synthetic-chat" in names
@@ -62,9 +63,9 @@ def test_bench_ab_trace_shorter_than_steps(tmp_path, capsys):
              enumerate((it, layer) for it in range(2) for layer in range(6))]
     (folder / "expert_freq_switch128_datasets.csv").write_text("\n".join(rows) + "\n")
     argv = ["bench", "ab", "--traces", str(folder), "--eps", "8", "--layers", "1", "--tokens", "16", "--warmup", "0",
-            "--policies", "static", "--out-dir", str(tmp_path / "out")]
+            "--policies", "static,afore", "--no-chains", "--out-dir", str(tmp_path / "out")]
     assert main(argv + ["--steps", "3"]) == 2
     assert "steps" in capsys.readouterr().err
     assert main(argv + ["--steps", "2"]) == 0
     doc = json.loads((tmp_path / "out" / "ab.json").read_text())
-    assert "harmoeny-tiny" in [w["name"] for w in doc["workloads"]]
+    assert "harmoeny-tiny" in [w["name"] for w in doc["workloads"]] and doc["config"]["chains"] is False
