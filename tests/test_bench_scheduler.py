@@ -38,6 +38,21 @@ def test_bench_scheduler_tiny(tmp_path):
     assert set(ep["policies"]) >= {"static", "afore", "eplb", "harmoeny", "lina", "libra"}
     assert ep["policies"]["afore"]["max_mean_tile_load"] <= ep["policies"]["static"]["max_mean_tile_load"]
     assert (tmp_path / "scheduler-quick.png").exists() and "Quality" in (tmp_path / "scheduler-quick.md").read_text()
+    # Ejection chains on by default; the paper's rule alone is planned on the same inputs.
+    assert doc["config"]["chains"] and "Beyond the paper" in (tmp_path / "scheduler-quick.md").read_text()
+    for t in doc["targets"]:
+        assert t["optimum"] is None or t["greedy_paper"] >= t["optimum"]
+    assert ep["optimal_paper"] == sum(1 for t in doc["targets"] if t["greedy_paper"] == t["optimum"])
+
+
+def test_bench_scheduler_without_chains_plans_the_paper_algorithm(tmp_path):
+    rc = main(["bench", "scheduler", "--quick", "--eps", "8", "--targets-per-workload", "3", "--no-policies",
+               "--no-chains", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "scheduler-quick.json").read_text())
+    assert doc["config"]["chains"] is False
+    assert all(t["greedy"] == t["greedy_paper"] for t in doc["targets"])
+    assert "Ejection chains off" in (tmp_path / "scheduler-quick.md").read_text()
 
 
 def test_bench_scheduler_bad_arguments(capsys):

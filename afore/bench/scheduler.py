@@ -9,7 +9,9 @@ table, protected slots and previous assignment, and measures per sampled target:
   ``--repeats`` calls) and the Python reference (``algorithm.schedule``), and of one EPLB
   rebalance (``policies.eplb.rebalance``) of the same layer;
 - quality: the greedy's max tile load against the MILP optimum (``optimal.certify``) under the
-  same placement, slot and copy constraints: optimal count, mean and max gap;
+  same placement, slot and copy constraints: optimal count, mean and max gap; and, on the same
+  inputs, the paper's Algorithm 1 alone (``SchedulerParams.chains=False``: without afore's
+  ejection chains), so the report shows what the phase beyond the paper adds;
 - max/mean tile load of every policy over all steady-state targets.
 
 Workloads: the four HarMoEny switch-base-128 datasets (measured routing, 128 experts; each
@@ -21,8 +23,9 @@ EP degree. Without the measured traces the synthetic workloads give 50 targets e
 Defaults (documented in the report): 1024 tokens per microbatch (8192 token-expert pairs: an
 AFD decode microbatch), M_tile 16, R = 4 redundant slots per worker, copy budget B = F (one new
 replica per worker per target on average), theta = 0 (no compactness restriction; the MILP has
-none), cost model from ``bench/results/migration.json`` or the H200 defaults. EPLB (policy
-comparison) re-runs every 8 observations of a layer over a window of 16.
+none), ejection chains on (``--no-chains``: the paper's Algorithm 1 only), cost model from
+``bench/results/migration.json`` or the H200 defaults. EPLB (policy comparison) re-runs every 8
+observations of a layer over a window of 16.
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ POLICY_OPTIONS = {"eplb": {"window": 16, "period": 8}, "eplb-async": {"window": 
 OPTIMAL_FRACTION_TARGET, MAX_GAP_TARGET_PCT, SPEEDUP_TARGET_EP128 = 0.995, 3.6, 20.0
 
 
+CHAINS_NOTE = (
+    "Beyond the paper: afore adds ejection chains to Algorithm 1 (`afore.scheduler.algorithm.find_chain`, "
+    "same in the C++ core; off with `SchedulerParams(chains=False)` / `--no-chains`). When the pair rule "
+    "(T_h - T_c > 1, a direct move onto a replica or a new one) stops with a max-load worker whose experts "
+    "have no usable replica on any worker 2 tiles lighter, a breadth-first search from the max-load workers "
+    "shifts single tiles along a path of workers that each take one tile and give one of another expert "
+    "(their loads stay), ending on a worker at least 2 tiles lighter: within the placement after the pair "
+    "moves, and in the beyond-placement search with at most one new replica per chain (same safe-slot, "
+    "budget and net-gain rules). Each chain lowers the sorted load vector lexicographically; hops are single "
+    "tiles, so the phase is off for theta >= 1. \"optimal (paper rule only)\" plans the same inputs with "
+    "chains off.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small subset (EP 2, 8, 32; 2 workloads; < 1 min)")
     parser.add_argument("--eps", default=None, help="comma-separated EP degrees (default 2,4,8,16,32,64,128)")
@@ -62,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundant-slots", type=int, default=4, help="R redundant slots per worker per layer")
     parser.add_argument("--copy-budget", type=int, default=None, help="B new replicas per target (default: F)")
     parser.add_argument("--theta", type=int, default=0, help="compactness threshold (tiles)")
+    parser.add_argument("--no-chains", action="store_true",
+                        help="the paper's Algorithm 1 only: no ejection chains (ablation)")
     parser.add_argument("--m-tile", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12, help="serving steps replayed per workload")
     parser.add_argument("--warmup", type=int, default=3, help="steps before targets count as steady state")
@@ -117,7 +135,7 @@ def _config(args: argparse.Namespace) -> dict:
         "quick": quick, "eps": list(eps), "num_experts": NUM_EXPERTS, "top_k": TOP_K, "tokens": args.tokens,
         "m_tile": args.m_tile, "redundant_slots": args.redundant_slots, "copy_budget": args.copy_budget,
         "copy_budget_rule": "B = F" if args.copy_budget is None else f"B = {args.copy_budget}",
-        "theta": args.theta, "steps": 6 if quick else args.steps, "warmup": 2 if quick else args.warmup,
+        "theta": args.theta, "chains": not args.no_chains, "steps": 6 if quick else args.steps, "warmup": 2 if quick else args.warmup,
         "microbatches": args.microbatches, "targets_per_workload": args.targets_per_workload,
         "repeats": 50 if quick else args.repeats, "ref_repeats": 1 if quick else args.ref_repeats,
         "time_limit_s": min(args.time_limit, 2.0) if quick else args.time_limit, "traces": args.traces,
@@ -182,7 +200,8 @@ def bench_ep(ep: int, workloads: list[dict], config: dict, cost) -> tuple[dict, 
     shape = ClusterShape(num_experts=NUM_EXPERTS, num_workers=ep, num_layers=num_layers,
                          redundant_slots=config["redundant_slots"], m_tile=config["m_tile"], top_k=TOP_K)
     budget = ep if config["copy_budget"] is None else config["copy_budget"]
-    params = SchedulerParams(theta=config["theta"], copy_budget=budget)
+    params = SchedulerParams(theta=config["theta"], copy_budget=budget, chains=config["chains"])
+    paper = SchedulerParams(theta=config["theta"], copy_budget=budget, chains=False)
     bench_core = core.scheduler_for(shape)
     rows: list[dict] = []
     total = sum(len(w["sampled"]) for w in workloads)
@@ -213,8 +232,10 @@ def bench_ep(ep: int, workloads: list[dict], config: dict, cost) -> tuple[dict, 
                 eplb_ns = time.perf_counter_ns() - t0
                 cert = certify(shape, demand, table, protected, params, time_limit_s=config["time_limit_s"], incumbent=plan.tiles)
                 greedy = plan.max_tile_load
+                paper_plan, _ = core.schedule(shape, demand, table, protected, prev, paper, cost, target, seq)
                 rows.append({"ep": ep, "workload": w["name"], "step": target.step, "layer": target.layer,
-                             "microbatch": target.microbatch, "greedy": greedy, "optimum": cert.optimum,
+                             "microbatch": target.microbatch, "greedy": greedy, "greedy_paper": paper_plan.max_tile_load,
+                             "optimum": cert.optimum,
                              "lower_bound": cert.lower_bound, "upper_bound": cert.upper_bound, "status": cert.status,
                              "method": cert.method, "certify_s": round(cert.solve_s, 4),
                              "gap_pct": None if cert.optimum is None else 100.0 * cert.gap(greedy),
@@ -240,6 +261,7 @@ def _ep_summary(ep: int, budget: int, rows: list[dict]) -> dict:
     eplb_us = [r["eplb_ns"] / 1e3 for r in rows]
     gaps = [r["gap_pct"] for r in rows if r["gap_pct"] is not None]
     optimal = sum(1 for r in rows if r["optimum"] is not None and r["greedy"] == r["optimum"])
+    optimal_paper = sum(1 for r in rows if r["optimum"] is not None and r["greedy_paper"] == r["optimum"])
     return {
         "ep": ep, "copy_budget": budget, "targets": len(rows),
         "core_us": {"median": _pct(core_us, 50), "p99": _pct(core_us, 99)},
@@ -247,7 +269,7 @@ def _ep_summary(ep: int, budget: int, rows: list[dict]) -> dict:
         "eplb_rebalance_us": {"median": _pct(eplb_us, 50), "p99": _pct(eplb_us, 99)},
         "speedup_median": _pct(ref_us, 50) / _pct(core_us, 50) if core_us else float("nan"),
         "latency_target_us": LATENCY_TARGET_US.get(ep),
-        "optimal": optimal, "certified": len(gaps),
+        "optimal": optimal, "optimal_paper": optimal_paper, "certified": len(gaps),
         "certified_by_bound": sum(1 for r in rows if r["method"] == "bound"),
         "certified_by_milp": sum(1 for r in rows if r["method"] == "milp" and r["status"] == "optimal"),
         "time_limit": sum(1 for r in rows if r["status"] == "time-limit"),
@@ -283,11 +305,13 @@ def compare_policies(shape: ClusterShape, params: SchedulerParams, cost, workloa
 def summarise(per_ep: list[dict], config: dict) -> dict:
     total = sum(r["targets"] for r in per_ep)
     optimal = sum(r["optimal"] for r in per_ep)
+    optimal_paper = sum(r["optimal_paper"] for r in per_ep)
     gaps = [r["max_gap_pct"] for r in per_ep if np.isfinite(r["max_gap_pct"])]
     latency_ok = {str(r["ep"]): bool(r["core_us"]["median"] <= r["latency_target_us"]) for r in per_ep if r["latency_target_us"]}
     ep128 = [r for r in per_ep if r["ep"] == 128]
     return {
         "targets": total, "optimal": optimal, "optimal_fraction": optimal / total if total else float("nan"),
+        "optimal_paper": optimal_paper,
         "max_gap_pct": max(gaps) if gaps else float("nan"),
         "optimal_fraction_target": OPTIMAL_FRACTION_TARGET, "max_gap_target_pct": MAX_GAP_TARGET_PCT,
         "meets_optimal_fraction": bool(total and optimal / total >= OPTIMAL_FRACTION_TARGET),
@@ -305,7 +329,8 @@ def render_markdown(data: dict) -> str:
     lines = [f"# Scheduler latency and plan quality{' (quick subset)' if c['quick'] else ''}", "",
              f"E = {c['num_experts']} experts, top-{c['top_k']}, {c['tokens']} tokens per microbatch "
              f"({c['tokens'] * c['top_k']} token-expert pairs), M_tile = {c['m_tile']}, R = {c['redundant_slots']} redundant slots "
-             f"per worker, copy budget {c['copy_budget_rule']}, theta = {c['theta']}; {c['steps']} steps x "
+             f"per worker, copy budget {c['copy_budget_rule']}, theta = {c['theta']}, ejection chains "
+             f"{'on' if c.get('chains', False) else 'off (the paper Algorithm 1 only)'}; {c['steps']} steps x "
              f"{c['microbatches']} microbatches per workload replayed through the `afore` policy, targets sampled "
              f"after {c['warmup']} warm-up steps ({c['targets_per_workload']} per workload). "
              f"Copy time per expert {data['copy_ms']:.3f} ms, window {data['cost_model']['window_ms']} ms. CPU affinity: {c['cpu_affinity']}.",
@@ -319,11 +344,14 @@ def render_markdown(data: dict) -> str:
     lines.append(markdown_table(["EP", "targets", "core median", "core p99", "target (median)", "reference median",
                                  "reference p99", "speedup", "EPLB rebalance median", "EPLB rebalance p99"], rows))
     lines += ["", "## Quality against the MILP optimum (paper Table 2 layout)", ""]
-    rows = [[r["ep"], f"{r['optimal']} / {r['targets']}", r["mean_gap_pct"], r["max_gap_pct"], r["certified_by_bound"],
-             r["certified_by_milp"], r["time_limit"], r["copy_budget"], r["mean_copies"], f"{r['core_matches_reference']} / {r['targets']}"]
+    rows = [[r["ep"], f"{r['optimal']} / {r['targets']}", f"{r['optimal_paper']} / {r['targets']}", r["mean_gap_pct"],
+             r["max_gap_pct"], r["certified_by_bound"], r["certified_by_milp"], r["time_limit"], r["copy_budget"], r["mean_copies"],
+             f"{r['core_matches_reference']} / {r['targets']}"]
             for r in data["per_ep"]]
-    lines.append(markdown_table(["EP", "optimal", "mean gap (%)", "max gap (%)", "certified by bound", "certified by MILP",
-                                 "MILP time limit", "B", "copies / target", "core == reference"], rows))
+    lines.append(markdown_table(["EP", "optimal", "optimal (paper rule only)", "mean gap (%)", "max gap (%)", "certified by bound",
+                                 "certified by MILP", "MILP time limit", "B", "copies / target", "core == reference"], rows))
+    lines += ["", CHAINS_NOTE if c.get("chains", False) else
+              "Ejection chains off (`--no-chains`): the plans are the paper's Algorithm 1 alone."]
     if any("policies" in r for r in data["per_ep"]):
         lines += ["", "## Max/mean tile load per policy (mean over steady-state targets)", ""]
         names = list(next(r for r in data["per_ep"] if "policies" in r)["policies"])

@@ -559,8 +559,11 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
       ++within_moves_;
     }
     if (!in.chains || !find_chain(theta, false, n_hops)) break;
-    for (int32_t i = 0; i < n_hops; ++i) move_tiles(chain_[i].expert, chain_[i].from, chain_[i].to, 1);
-    std::fill(stuck_.begin(), stuck_.end(), 0);  // rare: no incremental unsticking needed
+    // Each hop is a one-tile move: unsticking for each covers the chain's changes.
+    for (int32_t i = 0; i < n_hops; ++i) {
+      move_tiles(chain_[i].expert, chain_[i].from, chain_[i].to, 1);
+      unstick_after_move(theta, chain_[i].from, chain_[i].to);
+    }
     ++within_chains_;
   }
 
