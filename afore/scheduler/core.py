@@ -1,4 +1,5 @@
-"""Algorithm 1 through the C++ core (``afore._scheduler_core``): the production path.
+"""Algorithm 1 (with afore's ejection chains, ``SchedulerParams.chains``) through the C++ core
+(``afore._scheduler_core``): the production path.
 
 ``schedule`` has the signature and the result of ``afore.scheduler.algorithm.schedule`` (all
 arrays equal, ``gain_ms``/``exposed_ms`` equal) and validates the same inputs with the same
@@ -8,6 +9,12 @@ cluster shape; calls are serialised by the GIL, which the core holds.
 
 ``scheduler_for(shape)`` exposes the core object, e.g. to time the core alone with
 ``scheduler_for(shape).schedule_bench(*core_arguments(...), repeats)`` (median ns per call).
+
+Cost of the Python path over the core alone (measured with ``taskset -c 1``, timeit, 2026-11-30):
+about 11 us per call at E=128, F=8 (18.6 us vs 7.4 us) and 15 us at F=128, of which about 6 us
+is creating the eight result arrays in the binding, 2 us ``core_arguments`` and 1.3 us the Plan
+and SlotTable objects; the rest is the call itself. Eight fresh numpy arrays per plan are
+about the numpy floor (``np.empty`` alone: 0.5 us each).
 """
 
 from __future__ import annotations
