@@ -195,7 +195,7 @@ def assign_over_placement(schedule: Callable, shape: ClusterShape, demand: np.nd
                           target: Target, seq: int) -> tuple[Plan, SlotTable]:
     """Balance ``demand`` over a fixed placement (primaries + ``table``): Algorithm 1's assignment
     initialisation and within-placement rebalancing, no copies (copy budget 0)."""
-    no_copies = SchedulerParams(theta=params.theta, copy_budget=0)
+    no_copies = SchedulerParams(theta=params.theta, copy_budget=0, chains=params.chains)
     protected = np.zeros((shape.num_workers, shape.redundant_slots), bool)
     return schedule(shape, demand, table, protected, prev_assignment, no_copies, cost, target, seq)
 
