@@ -34,6 +34,29 @@ def want(model, log_dir) -> list[dict]:
     return reference(model, os.path.join(log_dir, "plain-qwen3.log"))
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _shm_segments(tag: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(tag)]
 
@@ -43,8 +66,14 @@ def a1f2(model, want, log_dir):
     server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a1f2.log"), attn_workers=1, ffn_workers=2)
     yield server
     pid = server.proc.pid
+    descendants = _descendants(pid)
+    assert len(descendants) >= 4  # scheduler, 2 FFN workers, vLLM (and vLLM's own children)
     server.stop()
     assert server.proc.returncode is not None
+    deadline = time.monotonic() + 30
+    while [p for p in descendants if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in descendants if _alive(p)], "processes left behind"
     assert _shm_segments(f"afore-{pid}-") == [], "shared-memory segments left behind"
 
 

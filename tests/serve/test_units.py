@@ -93,6 +93,13 @@ def test_serve_cli_fails_at_start_with_a_clear_message():
     assert "ffn_workers" in out.stderr and str(info.num_experts) in out.stderr
 
 
+def test_serve_cli_refuses_an_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--model", str(tmp_path), "--colocate"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "model_type" in out.stderr and "qwen3_moe" in out.stderr
+
+
 def test_count_demand_ignores_padding_ids():
     ids = torch.tensor([[0, 3], [3, -1], [7, 3]], dtype=torch.int32)
     assert count_demand(ids, 8).tolist() == [1, 0, 0, 3, 0, 0, 0, 1]
