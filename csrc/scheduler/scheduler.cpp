@@ -96,6 +96,7 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   bfs_via_copy_.assign(F_, 0);
   bfs_seen_.assign(F_, 0);
   bfs_pending_.assign(F_, 0);
+  bfs_expanded_.assign(E_, 0);
   remainder_.assign(F_, 0);
   lr_workers_.assign(F_, 0);
   seen_stamp_.assign(E_, -1);
@@ -429,7 +430,9 @@ bool Scheduler::find_chain(int64_t theta, bool allow_copy, int32_t& n_hops) {
       const int32_t* on = &on_[u * E_];
       for (int32_t j = 0; j < on_count_[u]; ++j) {
         const int32_t x = on[j];
-        if (tiles_[x * F_ + u] <= theta) continue;
+        // After its first expansion every replica of x is visited: skip x from then on.
+        if (tiles_[x * F_ + u] <= theta || bfs_expanded_[x] == stamp) continue;
+        bfs_expanded_[x] = stamp;
         const int32_t* reps = &rep_[x * F_];
         for (int32_t k = 0; k < rep_count_[x]; ++k)
           if (bfs_seen_[reps[k]] != stamp) visit(reps[k], u, bfs_copied_[u], 0);

@@ -133,6 +133,7 @@ class Scheduler {
   std::vector<uint8_t> bfs_via_copy_; // [F] the hop into the worker is the copy
   std::vector<int64_t> bfs_seen_;     // [F] stamp of the search that visited the worker
   std::vector<int32_t> bfs_pending_;  // [F] workers with a safe slot not visited yet
+  std::vector<int64_t> bfs_expanded_; // [E] stamp of the search that expanded the expert's replicas
   int64_t bfs_stamp_ = 0;
   std::vector<int64_t> remainder_;    // [F] scratch for largest remainder
   std::vector<int32_t> lr_workers_;   // [F]
