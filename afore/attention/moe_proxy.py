@@ -32,6 +32,7 @@ import torch
 from afore.attention import role as role_
 from afore.attention import vllm_compat
 from afore.attention.demand import DemandEmitter
+from afore.scheduler.plan import Target
 from afore.serve.ffn_link import AttentionLink
 
 log = logging.getLogger("afore.attention")
@@ -52,14 +53,43 @@ class ForwardCounter:
         self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker)
 
     @property
-    def link(self) -> AttentionLink:
+    def link(self):
         if self._link is None:
-            self._link = AttentionLink(self.worker, self.cfg.attn_endpoints[self.worker], self.cfg.ffn_endpoints,
-                                       self.cfg.ffn_pids, self.cfg.exchange_timeout_s)
+            if self.cfg.transport == "torch":
+                self._link = TorchLink(self.cfg, self.worker)
+            else:
+                self._link = AttentionLink(self.worker, self.cfg.attn_endpoints[self.worker], self.cfg.ffn_endpoints,
+                                           self.cfg.ffn_pids, self.cfg.exchange_timeout_s)
         return self._link
 
     def seq(self, layer: int, microbatch: int) -> int:
         return (self.step * len(self.cfg.moe_layers) + layer) * self.cfg.microbatches + microbatch
+
+
+class TorchLink:
+    """The same two calls over ``afore.transport.connector.AttentionConnector`` (torch.distributed)."""
+
+    def __init__(self, cfg: role_.AttentionRoleConfig, worker: int):
+        from afore.transport.connector import AttentionConnector, TransportConfig
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+        tcfg = TransportConfig(host=cfg.store_host, port=cfg.store_port, num_attention=cfg.attn_workers,
+                               num_ffn=cfg.ffn_workers, hidden=cfg.hidden, top_k=cfg.top_k, dtype=dtype,
+                               timeout_s=cfg.exchange_timeout_s)
+        self.conn = AttentionConnector(tcfg, worker)
+        self.dtype = dtype
+        self._pending: dict[int, object] = {}
+
+    def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> None:
+        target = Target(step, layer, microbatch)
+        self._pending[seq] = self.conn.send(target, seq, hidden.to(self.dtype), topk_ids.to(torch.int32),
+                                            topk_weights.to(torch.float32))
+
+    def recv(self, seq, num_tokens, hidden, dtype) -> torch.Tensor:
+        return self.conn.recv(self._pending.pop(seq))
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 _state: ForwardCounter | None = None
@@ -130,6 +160,8 @@ class RemoteRoutedExperts(_RoutedExperts):
         self.moe_position = cfg.moe_layers.index(index)
         self.attn_worker = vllm_compat.data_parallel_rank()  # the vLLM config is only current at build time
         _layers[layer_name] = self
+        if self.moe_position == 0:
+            _counter(self.attn_worker).link  # connect to the FFN pool while the model is built, not at the first request
 
     def _get_quant_method(self, prefix, quant_config, moe_config):
         if quant_config is not None:

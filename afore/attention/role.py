@@ -37,6 +37,13 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     ffn_pids: list[int] = []
     mailbox: str = ""             # DemandMailbox segment name ("" = no demand path)
     exchange_timeout_s: float = 60.0
+    # "zmq": afore.serve.ffn_link with afore.serve.ffn_worker; "torch": afore.transport.connector
+    # (torch.distributed, gloo/NCCL) with afore.ffn.worker; its store is hosted by attention worker 0
+    transport: str = "zmq"
+    store_host: str = "127.0.0.1"
+    store_port: int = 0
+    hidden: int = 0
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -53,6 +60,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError(f"microbatches: expected >= 1, got {self.microbatches}")
         if not self.moe_layers:
             raise ValueError("moe_layers: expected at least one MoE layer index")
+        if self.transport not in ("zmq", "torch"):
+            raise ValueError(f"transport: expected 'zmq' or 'torch', got {self.transport!r}")
+        if self.transport == "torch" and (not 0 < self.store_port < 65536 or self.hidden < 1):
+            raise ValueError(f"store_port / hidden: expected a port and the hidden size with transport 'torch', got {self.store_port}, {self.hidden}")
         if self.exchange_timeout_s <= 0:
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
 

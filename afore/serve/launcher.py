@@ -68,6 +68,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     start_timeout_s: float = 600.0
     exchange_timeout_s: float = 60.0
+    transport: str = "zmq"          # zmq (afore.serve.ffn_worker) or torch (afore.ffn.worker, torch.distributed)
     vllm_args: list[str] = []
 
     def __post_init__(self) -> None:
@@ -87,6 +88,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
         if self.copy_budget < 0:
             raise ValueError(f"copy_budget: expected >= 0, got {self.copy_budget}")
+        if self.transport not in ("zmq", "torch"):
+            raise ValueError(f"transport: expected 'zmq' or 'torch', got {self.transport!r}")
 
     @property
     def admin(self) -> int:
@@ -218,6 +221,8 @@ class Launcher:
         return {"CUDA_VISIBLE_DEVICES": str(index % n)}
 
     def start_ffn_workers(self) -> None:
+        if self.opts.transport == "torch":
+            return self.start_torch_ffn_workers()
         opts = self.opts
         control = [f"ipc://{self.run_dir}/ctl-{w}" for w in range(opts.ffn_workers)]
         for w in range(opts.ffn_workers):
@@ -238,6 +243,26 @@ class Launcher:
                 raise TimeoutError(f"FFN workers not ready after {self.opts.start_timeout_s} s")
             time.sleep(0.05)
 
+    def start_torch_ffn_workers(self) -> None:
+        """F ``afore ffn-worker`` processes (afore.ffn.worker); they connect to the transport store
+        that attention worker 0 hosts once vLLM builds the model, so they are ready with vLLM."""
+        import socket
+
+        opts = self.opts
+        assert self.info is not None
+        with socket.socket() as sock:
+            sock.bind((opts.host, 0))
+            self.store_port = sock.getsockname()[1]
+        for w in range(opts.ffn_workers):
+            cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
+                   "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", opts.host,
+                   "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
+                   "--dtype", serving_dtype(opts.dtype, self.info), "--redundant-slots", str(opts.redundant_slots),
+                   "--plan-ring", self.ring_name, "--timeout-s", str(opts.exchange_timeout_s)]
+            env = {**os.environ, **self._device_env(opts.attn_workers + w)}
+            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+        self._check_children("starting FFN workers")
+
     def server_command(self) -> list[str]:
         opts = self.opts
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -255,7 +280,10 @@ class Launcher:
                                    attn_workers=self.opts.attn_workers, ffn_endpoints=self.ffn_endpoints,
                                    attn_endpoints=self.attn_endpoints, moe_layers=list(self.info.moe_layers),
                                    microbatches=self.opts.microbatches, ffn_pids=[c.proc.pid for c in self.ffn],
-                                   mailbox=self.mailbox_name, exchange_timeout_s=self.opts.exchange_timeout_s)
+                                   mailbox=self.mailbox_name, exchange_timeout_s=self.opts.exchange_timeout_s,
+                                   transport=self.opts.transport, store_host=self.opts.host,
+                                   store_port=getattr(self, "store_port", 0), hidden=self.info.hidden_size,
+                                   dtype=serving_dtype(self.opts.dtype, self.info))
         env = {**os.environ, **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}

@@ -22,3 +22,16 @@ def tiny(arch: str) -> str:
     from afore.models.tiny import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(arch))
+
+
+@pytest.fixture(scope="session")
+def qwen3_model() -> str:
+    return tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def qwen3_reference(qwen3_model, log_dir) -> list[dict]:
+    """Plain vLLM's greedy outputs on the tiny Qwen3-MoE (one server start per session)."""
+    from servers import reference
+
+    return reference(qwen3_model, os.path.join(log_dir, "plain-qwen3.log"))

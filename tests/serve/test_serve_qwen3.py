@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from conftest import needs_vllm, tiny
-from servers import PROMPTS, AforeServer, assert_same_generation, http, reference
+from conftest import needs_vllm
+from servers import PROMPTS, AforeServer, assert_same_generation, http
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -25,13 +25,13 @@ POLICIES = ["static", "eplb", "eplb-async", "harmoeny", "lina", "libra", "afore"
 
 
 @pytest.fixture(scope="module")
-def model() -> str:
-    return tiny("qwen3_moe")
+def model(qwen3_model) -> str:
+    return qwen3_model
 
 
 @pytest.fixture(scope="module")
-def want(model, log_dir) -> list[dict]:
-    return reference(model, os.path.join(log_dir, "plain-qwen3.log"))
+def want(qwen3_reference) -> list[dict]:
+    return qwen3_reference
 
 
 def _descendants(pid: int) -> list[int]:
