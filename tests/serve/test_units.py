@@ -46,6 +46,8 @@ def test_role_config_round_trips_through_env(monkeypatch):
     (dict(microbatches=0), "microbatches"),
     (dict(moe_layers=[]), "moe_layers"),
     (dict(ffn_pids=[1]), "ffn_pids"),
+    (dict(transport="rdma"), "transport"),
+    (dict(transport="torch"), "store_port"),
 ])
 def test_role_config_rejects_bad_fields(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -82,6 +84,8 @@ def test_impossible_shapes_refused():
     check_shape(ServeOptions(attn_workers=1, ffn_workers=3), info, devices=4)  # F > A
     with pytest.raises(ValueError, match="policy"):
         ServeOptions(policy="fastest")
+    with pytest.raises(ValueError, match="transport"):
+        ServeOptions(transport="rdma")
 
 
 def test_serve_cli_fails_at_start_with_a_clear_message():
