@@ -41,3 +41,12 @@ def test_ffn_worker_killed_fails_fast_and_unhealthy(server):
     while server.health() == 200 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert server.health() != 200
+
+
+def test_two_attention_workers_token_identical(qwen3_model, qwen3_reference, log_dir):
+    s = AforeServer(qwen3_model, os.path.join(log_dir, "afore-qwen3-torch-a2.log"), attn_workers=2, ffn_workers=2,
+                    policy="afore", extra=["--transport", "torch"])
+    try:
+        assert_same_generation(s.greedy(), qwen3_reference)
+    finally:
+        s.stop()
