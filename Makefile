@@ -11,7 +11,7 @@ install:
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 
 serve: install
-	afore serve
+	afore serve --colocate
 
 test: install
 	$(PYTHON) -m pytest -x -q -p no:cacheprovider
