@@ -65,7 +65,7 @@ import dataclasses
 import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.scheduler.plan import Plan, SlotTable, Target, check_planning_types
 
 INT32_MAX = 2**31 - 1
 
@@ -85,16 +85,7 @@ def check_inputs(shape: ClusterShape, demand: object, table: SlotTable, protecte
                  prev_assignment: object, params: SchedulerParams, cost: CostModel,
                  target: Target, seq: int) -> Inputs:
     """Validate the inputs of ``schedule``; raise ValueError naming the field and expectation."""
-    if not isinstance(shape, ClusterShape):
-        raise ValueError(f"shape: expected a ClusterShape, got {type(shape).__name__}")
-    if not isinstance(params, SchedulerParams):
-        raise ValueError(f"params: expected a SchedulerParams, got {type(params).__name__}")
-    if not isinstance(cost, CostModel):
-        raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
-    if not isinstance(target, Target):
-        raise ValueError(f"target: expected a Target, got {type(target).__name__}")
-    if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < 2**63:
-        raise ValueError(f"seq: expected an integer in [0, 2**63), got {seq!r}")
+    check_planning_types(shape, params, cost, target, seq, with_target=True)
     d = shape.check_demand(demand)
     if d.size and int(d.max()) > INT32_MAX:
         raise ValueError(f"demand: expected counts <= {INT32_MAX}, got {int(d.max())}")

@@ -26,7 +26,7 @@ import numpy as np
 from afore import _scheduler_core
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.scheduler.plan import Plan, SlotTable, Target, check_planning_types
 
 # Tile counts are below 2**31, so any theta >= 2**31 keeps every expert on its primary.
 THETA_CAP = 2**31
@@ -43,16 +43,7 @@ def core_arguments(shape: ClusterShape, demand: object, table: SlotTable, protec
                    prev_assignment: object, params: SchedulerParams, cost: CostModel,
                    target: Target, seq: int) -> tuple:
     """Check types and shapes and return the positional arguments of ``Scheduler.schedule``."""
-    if not isinstance(shape, ClusterShape):
-        raise ValueError(f"shape: expected a ClusterShape, got {type(shape).__name__}")
-    if not isinstance(params, SchedulerParams):
-        raise ValueError(f"params: expected a SchedulerParams, got {type(params).__name__}")
-    if not isinstance(cost, CostModel):
-        raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
-    if not isinstance(target, Target):
-        raise ValueError(f"target: expected a Target, got {type(target).__name__}")
-    if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)) or not 0 <= seq < 2**63:
-        raise ValueError(f"seq: expected an integer in [0, 2**63), got {seq!r}")
+    check_planning_types(shape, params, cost, target, seq, with_target=True)
     if not isinstance(table, SlotTable):
         raise ValueError(f"slot_table: expected a SlotTable, got {type(table).__name__}")
     e, f, r = shape.num_experts, shape.num_workers, shape.redundant_slots

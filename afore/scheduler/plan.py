@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from afore.config import ClusterShape
+from afore.config import ClusterShape, CostModel, SchedulerParams
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -31,6 +31,20 @@ class Target:
     step: int
     layer: int
     microbatch: int
+
+
+def check_planning_types(shape: object, params: object, cost: object,
+                         target: object = None, seq: object = None, *, with_target: bool = False) -> None:
+    """Raise ValueError naming the first argument of a planning call that has the wrong type."""
+    expected = [("shape", shape, ClusterShape), ("params", params, SchedulerParams), ("cost", cost, CostModel)]
+    if with_target:
+        expected.append(("target", target, Target))
+    for name, value, cls in expected:
+        if not isinstance(value, cls):
+            raise ValueError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    if with_target and (isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer))
+                        or not 0 <= seq < 2**63):
+        raise ValueError(f"seq: expected an integer in [0, 2**63), got {seq!r}")
 
 
 @dataclasses.dataclass

@@ -11,7 +11,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 
 from afore.traces import format as trace_format
 from afore.traces import harmoeny, synthetic

@@ -22,7 +22,7 @@ import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm
-from afore.scheduler.plan import Plan, SlotTable, Target, check_plan
+from afore.scheduler.plan import Plan, SlotTable, Target, check_plan, check_planning_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +93,7 @@ class Policy(abc.ABC):
     CHECK_BY_DEFAULT: ClassVar[bool] = True
 
     def __init__(self, shape: ClusterShape, params: SchedulerParams, cost: CostModel, **options: object) -> None:
-        if not isinstance(shape, ClusterShape):
-            raise ValueError(f"shape: expected a ClusterShape, got {type(shape).__name__}")
-        if not isinstance(params, SchedulerParams):
-            raise ValueError(f"params: expected a SchedulerParams, got {type(params).__name__}")
-        if not isinstance(cost, CostModel):
-            raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
+        check_planning_types(shape, params, cost)
         unknown = sorted(set(options) - set(self.OPTIONS) - {"check_plans"})
         if unknown:
             raise ValueError(f"options: {self.name} accepts {sorted(self.OPTIONS) or 'no options'}, got {unknown}")
@@ -265,7 +260,6 @@ def replicate_predicted(shape: ClusterShape, predicted_tiles: np.ndarray, table:
     reserved in this call; empty first, else the one whose expert has the least predicted work
     there, then least recently used); keep the replica only if the estimated maximum load drops.
     """
-    owner = shape.primary_owner
     kp = np.asarray(predicted_tiles, np.float64)
     binding = table.expert.copy()
     reserved = np.zeros_like(protected)
