@@ -12,7 +12,7 @@ STATE (every key optional except the shape, which may come from ``--shape`` inst
     slot_table      {"expert": int[F][R] (-1 empty), "last_used": int[F][R] (-1 never)}  (default empty)
     protected       bool[F][R] U[t]: slots the running target reads (default none)
     prev_assignment int[E][F] A[t-1] of this layer, or null (default null)
-    params          {"theta", "copy_budget"}  (SchedulerParams; default theta 0, B 8)
+    params          {"theta", "copy_budget", "chains"}  (SchedulerParams; default theta 0, B 8, chains on)
     cost            {"beta_tile_ms", "bytes_per_expert", "link_bandwidth_gbps", "copy_latency_ms", "window_ms"}
     target          {"step", "layer", "microbatch"}; seq int  (default (0, 0, 0), 0)
   NPZ: arrays slot_expert, slot_last_used, protected, prev_assignment and scalars num_experts,
@@ -164,7 +164,7 @@ def parse_state(state: object, override_shape: str | None):
     npz = "slot_expert" in state or any(isinstance(v, np.ndarray) for v in state.values())
     if npz:
         table_doc = {"expert": state.get("slot_expert"), "last_used": state.get("slot_last_used")}
-        params_doc = {k: state[k] for k in ("theta", "copy_budget") if k in state}
+        params_doc = {k: state[k] for k in ("theta", "copy_budget", "chains") if k in state}
         cost_doc = {k: state[k] for k in COST_KEYS if k in state}
         target_doc = {k: state[k] for k in ("step", "layer", "microbatch") if k in state}
         prev = state.get("prev_assignment")
@@ -229,7 +229,7 @@ def plan_document(demand_doc: object, state_doc: object, override_shape: str | N
             "slot_table": {"expert": table.expert.tolist(), "last_used": table.last_used.tolist()},
             "protected": protected.tolist(),
             "prev_assignment": None if prev is None else prev.tolist(),
-            "params": {"theta": params.theta, "copy_budget": params.copy_budget},
+            "params": {"theta": params.theta, "copy_budget": params.copy_budget, "chains": params.chains},
             "cost": {**{k: getattr(cost, k) for k in COST_KEYS}, "copy_ms": cost.copy_ms},
             "target": {"step": target.step, "layer": target.layer, "microbatch": target.microbatch},
             "seq": seq,

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1 off, 0 any)")
     parser.add_argument("--theta", type=int, default=SchedulerParams().theta)
     parser.add_argument("--copy-budget", type=int, default=SchedulerParams().copy_budget)
+    parser.add_argument("--no-chains", action="store_true",
+                        help="plan with the paper's Algorithm 1 alone (no ejection chains)")
     parser.add_argument("--config-json", help="a whole ServiceConfig as JSON (what afore serve passes)")
 
 
@@ -64,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         shape=parse_shape(args.shape), policy=args.policy, mailbox=args.mailbox, ring=args.ring,
         num_producers=args.attn_workers, num_microbatches=args.microbatches, deadline_ms=args.deadline_ms,
         liveness_timeout_s=args.liveness_timeout, pid_check=not args.no_pid_check, spin_us=args.spin_us, listen=args.listen, token=args.token,
-        metrics_port=args.metrics_port, params=SchedulerParams(theta=args.theta, copy_budget=args.copy_budget),
+        metrics_port=args.metrics_port, params=SchedulerParams(theta=args.theta, copy_budget=args.copy_budget, chains=not args.no_chains),
         cost=CostModel())
 
 
