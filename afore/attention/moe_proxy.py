@@ -33,7 +33,6 @@ from afore.attention import role as role_
 from afore.attention import vllm_compat
 from afore.attention.demand import DemandEmitter
 from afore.scheduler.plan import Target
-from afore.serve.ffn_link import AttentionLink
 
 log = logging.getLogger("afore.attention")
 
@@ -49,17 +48,13 @@ class ForwardCounter:
         self.worker = worker
         if not 0 <= self.worker < cfg.attn_workers:
             raise ValueError(f"data_parallel_rank: expected in [0, {cfg.attn_workers}) (attn_workers), got {self.worker}")
-        self._link: AttentionLink | None = None
+        self._link: TorchLink | None = None
         self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker)
 
     @property
     def link(self):
         if self._link is None:
-            if self.cfg.transport == "torch":
-                self._link = TorchLink(self.cfg, self.worker)
-            else:
-                self._link = AttentionLink(self.worker, self.cfg.attn_endpoints[self.worker], self.cfg.ffn_endpoints,
-                                           self.cfg.ffn_pids, self.cfg.exchange_timeout_s)
+            self._link = TorchLink(self.cfg, self.worker)
         return self._link
 
     def seq(self, layer: int, microbatch: int) -> int:
@@ -67,16 +62,21 @@ class ForwardCounter:
 
 
 class TorchLink:
-    """The same two calls over ``afore.transport.connector.AttentionConnector`` (torch.distributed)."""
+    """The A2F/F2A path of one attention worker: ``afore.transport.connector.AttentionConnector``
+    (torch.distributed; attention worker 0 hosts the store), ``send`` every microbatch, then
+    ``recv`` them in order."""
 
     def __init__(self, cfg: role_.AttentionRoleConfig, worker: int):
         from afore.transport.connector import AttentionConnector, TransportConfig
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+        # same backend as the FFN workers: gloo on CPU, NCCL on CUDA (this process's current GPU)
+        cuda = cfg.device == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         tcfg = TransportConfig(host=cfg.store_host, port=cfg.store_port, num_attention=cfg.attn_workers,
                                num_ffn=cfg.ffn_workers, hidden=cfg.hidden, top_k=cfg.top_k, dtype=dtype,
-                               timeout_s=cfg.exchange_timeout_s)
-        self.conn = AttentionConnector(tcfg, worker)
+                               backend="nccl" if cuda else "gloo", timeout_s=cfg.exchange_timeout_s)
+        self.conn = AttentionConnector(tcfg, worker, device)
         self.dtype = dtype
         self._pending: dict[int, object] = {}
 

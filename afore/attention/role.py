@@ -19,57 +19,54 @@ CONFIG_ENV = "AFORE_CONFIG"
 class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What an attention worker needs to reach the FFN pool.
 
-    ffn_endpoints[w]   request socket of FFN worker w (ZeroMQ address)
-    attn_endpoints[a]  reply socket of attention worker a (one per data-parallel rank)
-    ffn_pids[w]        process id of FFN worker w (same host only; 0 = unknown), used to
-                       fail a forward fast when a worker died instead of waiting for the timeout
+    The A2F/F2A path is ``afore.transport.connector`` (torch.distributed: gloo on CPU, NCCL on
+    GPU): attention workers are ranks 0..A-1, the F FFN workers (``afore ffn-worker``) ranks
+    A..A+F-1, all meeting at the TCPStore that attention worker 0 hosts on
+    ``store_host:store_port``.
+
     moe_layers         model layer indices that hold a routed-expert MoE block, in order;
                        the target's ``layer`` is the position in this list
+    exchange_timeout_s bound of one exchange: a silent FFN worker fails the forward after it,
+                       a dead one at once
     """
 
     num_experts: int
     top_k: int
     attn_workers: int
-    ffn_endpoints: list[str]
-    attn_endpoints: list[str]
+    ffn_workers: int
     moe_layers: list[int]
+    store_port: int
+    hidden: int
+    store_host: str = "127.0.0.1"
+    dtype: str = "float32"
+    device: str = "cpu"           # cpu: gloo; cuda: NCCL (as the FFN workers)
     microbatches: int = 2
-    ffn_pids: list[int] = []
     mailbox: str = ""             # DemandMailbox segment name ("" = no demand path)
     exchange_timeout_s: float = 60.0
-    # "zmq": afore.serve.ffn_link with afore.serve.ffn_worker; "torch": afore.transport.connector
-    # (torch.distributed, gloo/NCCL) with afore.ffn.worker; its store is hosted by attention worker 0
-    transport: str = "zmq"
-    store_host: str = "127.0.0.1"
-    store_port: int = 0
-    hidden: int = 0
-    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
             raise ValueError(f"num_experts: expected >= 1, got {self.num_experts}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k: expected in [1, {self.num_experts}], got {self.top_k}")
-        if self.attn_workers < 1 or len(self.attn_endpoints) != self.attn_workers:
-            raise ValueError(f"attn_endpoints: expected {self.attn_workers} addresses (attn_workers), got {len(self.attn_endpoints)}")
-        if not self.ffn_endpoints:
-            raise ValueError("ffn_endpoints: expected at least one FFN worker address")
-        if self.ffn_pids and len(self.ffn_pids) != len(self.ffn_endpoints):
-            raise ValueError(f"ffn_pids: expected {len(self.ffn_endpoints)} entries or none, got {len(self.ffn_pids)}")
+        if self.attn_workers < 1:
+            raise ValueError(f"attn_workers: expected >= 1, got {self.attn_workers}")
+        if self.ffn_workers < 1:
+            raise ValueError(f"ffn_workers: expected >= 1, got {self.ffn_workers}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches: expected >= 1, got {self.microbatches}")
         if not self.moe_layers:
             raise ValueError("moe_layers: expected at least one MoE layer index")
-        if self.transport not in ("zmq", "torch"):
-            raise ValueError(f"transport: expected 'zmq' or 'torch', got {self.transport!r}")
-        if self.transport == "torch" and (not 0 < self.store_port < 65536 or self.hidden < 1):
-            raise ValueError(f"store_port / hidden: expected a port and the hidden size with transport 'torch', got {self.store_port}, {self.hidden}")
+        if not 0 < self.store_port < 65536:
+            raise ValueError(f"store_port: expected in [1, 65535], got {self.store_port}")
+        if self.hidden < 1:
+            raise ValueError(f"hidden: expected the model's hidden size (>= 1), got {self.hidden}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.exchange_timeout_s <= 0:
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
-
-    @property
-    def ffn_workers(self) -> int:
-        return len(self.ffn_endpoints)
 
     def to_env(self) -> dict[str, str]:
         return {ROLE_ENV: "attention", CONFIG_ENV: msgspec.json.encode(self).decode()}

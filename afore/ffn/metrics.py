@@ -23,6 +23,7 @@ class FFNMetrics:
         self.registry = CollectorRegistry()
         lab = {"labelnames": ("worker",), "registry": self.registry}
         w = str(worker)
+        self.worker = w
         self.targets = Counter("afore_ffn_targets", "targets executed", **lab).labels(w)
         self.plan_misses = Counter("afore_ffn_plan_misses", "targets with no valid plan by the deadline", **lab).labels(w)
         self.plans_rejected = Counter("afore_ffn_plans_rejected", "plans rejected by validation (stale, out of order, inconsistent)", **lab).labels(w)
@@ -42,6 +43,16 @@ class FFNMetrics:
             self.raw_copy_ms.observe(record.raw_copy_ms)
             self.copies.inc(record.copies)
             self.copy_bytes.inc(record.bytes)
+
+    def summary(self) -> str:
+        """One log line: targets, plans run, primary-only (misses, rejected), copies."""
+        def value(name: str) -> int:
+            return int(self.registry.get_sample_value(name, {"worker": self.worker}) or 0)
+
+        targets, fallbacks = value("afore_ffn_targets_total"), value("afore_ffn_primary_only_total")
+        return (f"targets {targets}, plans run {targets - fallbacks}, primary-only {fallbacks} "
+                f"(no plan {value('afore_ffn_plan_misses_total')}, rejected {value('afore_ffn_plans_rejected_total')}), "
+                f"copies {value('afore_ffn_copies_total')}")
 
     def render(self) -> str:
         """The Prometheus text exposition of this worker's metrics."""

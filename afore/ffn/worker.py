@@ -207,12 +207,22 @@ class FFNWorker:
         self.metrics.stage_ms.observe((time.perf_counter() - t0) * 1e3)
         return partial
 
-    def run(self) -> None:
-        """Serve targets until ``stop_event`` is set (SIGTERM in ``main``)."""
-        while not self.stop_event.is_set():
-            mb = self.connector.recv(timeout_s=0.2)
-            if mb is not None:
-                self.step(mb)
+    def run(self, report_s: float = 10.0) -> None:
+        """Serve targets until ``stop_event`` is set (SIGTERM in ``main``); logs the plan counters
+        every ``report_s`` seconds while targets come in, and at the end."""
+        next_report, reported = time.monotonic() + report_s, None
+        try:
+            while not self.stop_event.is_set():
+                mb = self.connector.recv(timeout_s=0.2)
+                if mb is not None:
+                    self.step(mb)
+                if time.monotonic() > next_report:
+                    line = self.metrics.summary()
+                    if line != reported:
+                        log.info("worker %d: %s", self.cfg.rank, line)
+                    next_report, reported = time.monotonic() + report_s, line
+        finally:
+            log.info("worker %d stopped: %s", self.cfg.rank, self.metrics.summary())
 
     def close(self) -> None:
         self.migrator.close()

@@ -22,8 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
     parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
-    parser.add_argument("--transport", default="zmq", choices=("zmq", "torch"),
-                        help="A2F/F2A path: zmq (afore.serve FFN workers) or torch (torch.distributed connector, afore.ffn workers)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="auto", help="vLLM --dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager (faster start, no torch.compile)")
@@ -41,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
                             redundant_slots=args.redundant_slots, copy_budget=args.copy_budget,
                             colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
                             enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
-                            transport=args.transport, vllm_args=list(args.vllm_arg))
+                            vllm_args=list(args.vllm_arg))
         return serve(opts)
     except (ValueError, RuntimeError, TimeoutError) as exc:
         print(f"afore serve: {exc}", file=sys.stderr)

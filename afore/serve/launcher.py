@@ -5,16 +5,19 @@ Start order (each step waits for the previous one to be ready, with a progress b
 1. model: ``--model`` or the built-in tiny Qwen3-MoE checkpoint (built once, cached);
    shape checks (architecture, E >= F, devices) fail here, before any process starts;
 2. scheduler service (``afore scheduler``): owns the demand mailbox and the plan ring;
-3. F FFN workers (:mod:`afore.serve.ffn_worker`), each reading plans from the ring;
+3. F FFN workers (``afore ffn-worker``, :mod:`afore.ffn.worker`), each reading plans from
+   the ring; they connect to the A2F/F2A connector (:mod:`afore.transport.connector`,
+   torch.distributed: gloo on CPU, NCCL on GPU) whose store attention worker 0 hosts;
 4. the vLLM OpenAI server with A data-parallel attention engines, the afore plugin
-   active (``AFORE_ROLE=attention``); ready when ``/health`` answers 200.
+   active (``AFORE_ROLE=attention``); ready when ``/health`` answers 200 (the connector
+   is up by then: attention workers connect while vLLM builds the model).
 
-The launcher then supervises: an FFN worker that dies makes the attention workers
-fail the affected forward at once (they watch the FFN pids), vLLM's engine dies and
-its ``/health`` turns non-200; the scheduler dying only costs plans (FFN workers
-fall back to primary-only plans). SIGINT/SIGTERM stop everything in reverse order,
-wait for every child (killing stragglers), and remove the run directory and the
-shared-memory segments. A small admin endpoint (``--admin-port``) reports the
+The launcher then supervises: an FFN worker that dies makes the pending exchange fail at
+once (the connector reports the closed peer; a silent one times out after
+``exchange_timeout_s``), vLLM's engine dies and its ``/health`` turns non-200; the
+scheduler dying only costs plans (FFN workers fall back to primary-only plans).
+SIGINT/SIGTERM stop everything in reverse order, wait for every child (killing
+stragglers), and remove the shared-memory segments. A small admin endpoint (``--admin-port``) reports the
 processes and switches the placement policy of the running server by restarting the
 scheduler with the new policy (no request is lost: plans are advisory).
 """
@@ -27,11 +30,9 @@ import json
 import logging
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -41,7 +42,6 @@ import msgspec
 from tqdm import tqdm
 
 from afore.attention.role import AttentionRoleConfig
-from afore.serve.ffn_worker import FFNWorkerConfig
 from afore.serve.model_info import MoEModelInfo, read_model_info, serving_dtype
 
 log = logging.getLogger("afore.serve")
@@ -68,7 +68,6 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     start_timeout_s: float = 600.0
     exchange_timeout_s: float = 60.0
-    transport: str = "zmq"          # zmq (afore.serve.ffn_worker) or torch (afore.ffn.worker, torch.distributed)
     vllm_args: list[str] = []
 
     def __post_init__(self) -> None:
@@ -88,8 +87,6 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
         if self.copy_budget < 0:
             raise ValueError(f"copy_budget: expected >= 0, got {self.copy_budget}")
-        if self.transport not in ("zmq", "torch"):
-            raise ValueError(f"transport: expected 'zmq' or 'torch', got {self.transport!r}")
 
     @property
     def admin(self) -> int:
@@ -146,7 +143,6 @@ class Launcher:
 
     def __init__(self, opts: ServeOptions):
         self.opts = opts
-        self.run_dir = ""
         self.model = ""
         self.info: MoEModelInfo | None = None
         self.ffn: list[Child] = []
@@ -160,6 +156,7 @@ class Launcher:
         self._lock = threading.RLock()
         self._main_thread = threading.current_thread()
         self._requests: queue.Queue = queue.Queue()
+        self.store_port = 0
 
     # ---- start
     def start(self) -> None:
@@ -171,7 +168,6 @@ class Launcher:
             self.info = read_model_info(self.model)
             check_shape(opts, self.info, device_count(opts.device))
             serving_dtype(opts.dtype, self.info)
-            self.run_dir = tempfile.mkdtemp(prefix="afore-run-")
             steps.update()
             steps.set_postfix_str("scheduler")
             self.start_scheduler(self.policy)
@@ -186,14 +182,6 @@ class Launcher:
         finally:
             steps.close()
         self.start_admin()
-
-    @property
-    def ffn_endpoints(self) -> list[str]:
-        return [f"ipc://{self.run_dir}/ffn-{w}" for w in range(self.opts.ffn_workers)]
-
-    @property
-    def attn_endpoints(self) -> list[str]:
-        return [f"ipc://{self.run_dir}/attn-{a}" for a in range(self.opts.attn_workers)]
 
     def shape(self):
         from afore.config import ClusterShape
@@ -221,31 +209,9 @@ class Launcher:
         return {"CUDA_VISIBLE_DEVICES": str(index % n)}
 
     def start_ffn_workers(self) -> None:
-        if self.opts.transport == "torch":
-            return self.start_torch_ffn_workers()
-        opts = self.opts
-        control = [f"ipc://{self.run_dir}/ctl-{w}" for w in range(opts.ffn_workers)]
-        for w in range(opts.ffn_workers):
-            cfg = FFNWorkerConfig(model=self.model, worker=w, ffn_endpoints=self.ffn_endpoints,
-                                  attn_endpoints=self.attn_endpoints, redundant_slots=opts.redundant_slots,
-                                  device=opts.device, plan_ring=self.ring_name,
-                                  dtype=serving_dtype(opts.dtype, self.info), control_endpoints=control,
-                                  leader_pid=self.ffn[0].proc.pid if self.ffn else 0)
-            env = {**os.environ, **self._device_env(opts.attn_workers + w)}
-            proc = subprocess.Popen([sys.executable, "-m", "afore.serve.ffn_worker", "--config", msgspec.json.encode(cfg).decode()],
-                                    env=env, preexec_fn=_die_with_parent)
-            self.ffn.append(Child(f"ffn-{w}", proc))
-        ready = [os.path.join(self.run_dir, f"ffn-{w}") for w in range(opts.ffn_workers)]
-        deadline = time.monotonic() + self.opts.start_timeout_s
-        while not all(os.path.exists(p) for p in ready):  # each worker binds its socket when its weights are in
-            self._check_children("starting FFN workers")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"FFN workers not ready after {self.opts.start_timeout_s} s")
-            time.sleep(0.05)
-
-    def start_torch_ffn_workers(self) -> None:
-        """F ``afore ffn-worker`` processes (afore.ffn.worker); they connect to the transport store
-        that attention worker 0 hosts once vLLM builds the model, so they are ready with vLLM."""
+        """F ``afore ffn-worker`` processes (afore.ffn.worker). They load their experts, then
+        connect to the transport store that attention worker 0 hosts once vLLM builds the model,
+        so they are ready with vLLM; until then they wait (up to ``start_timeout_s``)."""
         import socket
 
         opts = self.opts
@@ -254,11 +220,13 @@ class Launcher:
             sock.bind((opts.host, 0))
             self.store_port = sock.getsockname()[1]
         for w in range(opts.ffn_workers):
+            # --timeout-s bounds the FFN side's own waits (the rendezvous with a starting vLLM
+            # included); a request's latency is bounded on the attention side (exchange_timeout_s)
             cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
                    "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", opts.host,
                    "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
                    "--dtype", serving_dtype(opts.dtype, self.info), "--redundant-slots", str(opts.redundant_slots),
-                   "--plan-ring", self.ring_name, "--timeout-s", str(opts.exchange_timeout_s)]
+                   "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             env = {**os.environ, **self._device_env(opts.attn_workers + w)}
             self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
         self._check_children("starting FFN workers")
@@ -277,13 +245,12 @@ class Launcher:
     def start_server(self) -> None:
         assert self.info is not None
         role = AttentionRoleConfig(num_experts=self.info.num_experts, top_k=self.info.top_k,
-                                   attn_workers=self.opts.attn_workers, ffn_endpoints=self.ffn_endpoints,
-                                   attn_endpoints=self.attn_endpoints, moe_layers=list(self.info.moe_layers),
-                                   microbatches=self.opts.microbatches, ffn_pids=[c.proc.pid for c in self.ffn],
-                                   mailbox=self.mailbox_name, exchange_timeout_s=self.opts.exchange_timeout_s,
-                                   transport=self.opts.transport, store_host=self.opts.host,
-                                   store_port=getattr(self, "store_port", 0), hidden=self.info.hidden_size,
-                                   dtype=serving_dtype(self.opts.dtype, self.info))
+                                   attn_workers=self.opts.attn_workers, ffn_workers=self.opts.ffn_workers,
+                                   moe_layers=list(self.info.moe_layers), store_port=self.store_port,
+                                   hidden=self.info.hidden_size, store_host=self.opts.host,
+                                   dtype=serving_dtype(self.opts.dtype, self.info), device=self.opts.device,
+                                   microbatches=self.opts.microbatches, mailbox=self.mailbox_name,
+                                   exchange_timeout_s=self.opts.exchange_timeout_s)
         env = {**os.environ, **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
@@ -446,8 +413,6 @@ class Launcher:
             _stop(child.proc, 10.0)
         with self._lock:
             self.stop_scheduler()
-        if self.run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""

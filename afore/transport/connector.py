@@ -34,6 +34,11 @@ the output). Every pair exchanges one token on each group at connect (``_handsha
 creates its pair communicators before any traffic. A header that does
 not match the configuration (hidden size, top_k, dtype, or a target that differs between the
 attention workers) raises ``ValueError`` naming the field.
+
+Failures: every operation but one waits at most ``timeout_s`` (gloo/NCCL group timeout) and a
+peer that exits makes the pending operation raise at once (gloo: "Connection closed by peer"),
+so the attention side fails a forward instead of hanging. The one exception is the FFN side's
+wait for the next request header, which is the idle state of a server and never times out.
 """
 
 from __future__ import annotations
@@ -115,10 +120,16 @@ def _store(cfg: TransportConfig, rank: int) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
 
 
+# The FFN side waits for the next request on the control group for as long as the server is idle:
+# that wait must not time out (gloo applies a group's timeout to every receive), while a dead peer
+# still ends it at once (gloo reports the closed connection).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
 def _group(cfg: TransportConfig, store: dist.Store, name: str, rank: int, size: int, device: torch.device,
-           backend: str | None = None):
+           backend: str | None = None, timeout: datetime.timedelta | None = None):
     prefixed = dist.PrefixStore(f"afore/transport/{name}", store)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    timeout = timeout or datetime.timedelta(seconds=cfg.timeout_s)
     if (backend or cfg.backend) == "gloo":
         from afore.transport.gloo import gloo_group
 
@@ -262,7 +273,9 @@ class FFNConnector:
         self.a2f = _group(cfg, self.store, "a2f", self.rank, cfg.world_size, self.device)
         self.f2a = _group(cfg, self.store, "f2a", self.rank, cfg.world_size, self.device)
         self.ffn = _group(cfg, self.store, "ffn", ffn_rank, cfg.num_ffn, self.device)
-        self.a2f_ctl = _group(cfg, self.store, "a2f_ctl", self.rank, cfg.world_size, self.device, "gloo")
+        # requests' headers: waited for while idle, so no timeout (IDLE_TIMEOUT); everything else
+        # (payloads, the combine, replies) uses cfg.timeout_s
+        self.a2f_ctl = _group(cfg, self.store, "a2f_ctl", self.rank, cfg.world_size, self.device, "gloo", IDLE_TIMEOUT)
         self.f2a_ctl = _group(cfg, self.store, "f2a_ctl", self.rank, cfg.world_size, self.device, "gloo")
         self.my_attention = [a for a in range(cfg.num_attention) if a % cfg.num_ffn == ffn_rank]
         self._handshake()

@@ -1,33 +1,32 @@
-"""Fast tests of the serving pieces without vLLM: config, shape checks, partition, A2F link."""
+"""Fast tests of the serving pieces without vLLM: config, shape checks, plans on the FFN workers."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import tiny
 
 from afore.attention.demand import count_demand
 from afore.attention.role import AttentionRoleConfig, load_from_env
 from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.ffn.layer import FFNLayer
+from afore.migrator.copy_engine import make_copy_engine
+from afore.migrator.migrator import HostWeightsSource, Migrator
+from afore.migrator.slot_pool import SlotPool
+from afore.models.checkpoint import load_routed_experts, read_model_spec
 from afore.scheduler.plan import Target, check_plan
 from afore.scheduler.policies import Observation, make_policy
-from afore.serve.ffn_link import AttentionLink, FFNLink, PeerDied, PlanDecisions
-from afore.serve.ffn_worker import ExpertShard, PoolView
 from afore.serve.launcher import ServeOptions, check_shape
 from afore.serve.model_info import read_model_info
-from conftest import tiny
 
 
 def _role(**kw) -> AttentionRoleConfig:
-    base = dict(num_experts=8, top_k=2, attn_workers=1, ffn_endpoints=["ipc://a", "ipc://b"],
-                attn_endpoints=["ipc://c"], moe_layers=[0, 1])
+    base = dict(num_experts=8, top_k=2, attn_workers=1, ffn_workers=2, moe_layers=[0, 1], store_port=29600, hidden=16)
     base.update(kw)
     return AttentionRoleConfig(**base)
 
@@ -41,13 +40,15 @@ def test_role_config_round_trips_through_env(monkeypatch):
 
 @pytest.mark.parametrize("kw, field", [
     (dict(top_k=9), "top_k"),
-    (dict(attn_workers=2), "attn_endpoints"),
-    (dict(ffn_endpoints=[]), "ffn_endpoints"),
+    (dict(attn_workers=0), "attn_workers"),
+    (dict(ffn_workers=0), "ffn_workers"),
     (dict(microbatches=0), "microbatches"),
     (dict(moe_layers=[]), "moe_layers"),
-    (dict(ffn_pids=[1]), "ffn_pids"),
-    (dict(transport="rdma"), "transport"),
-    (dict(transport="torch"), "store_port"),
+    (dict(store_port=0), "store_port"),
+    (dict(hidden=0), "hidden"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(exchange_timeout_s=0), "exchange_timeout_s"),
 ])
 def test_role_config_rejects_bad_fields(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -84,8 +85,6 @@ def test_impossible_shapes_refused():
     check_shape(ServeOptions(attn_workers=1, ffn_workers=3), info, devices=4)  # F > A
     with pytest.raises(ValueError, match="policy"):
         ServeOptions(policy="fastest")
-    with pytest.raises(ValueError, match="transport"):
-        ServeOptions(transport="rdma")
 
 
 def test_serve_cli_fails_at_start_with_a_clear_message():
@@ -109,149 +108,93 @@ def test_count_demand_ignores_padding_ids():
     assert count_demand(ids, 8).tolist() == [1, 0, 0, 3, 0, 0, 0, 1]
 
 
+class Shard:
+    """One FFN worker's expert side as ``afore.ffn.worker`` builds it: per MoE layer a SlotPool
+    (primaries, then R redundant slots) and an FFNLayer, one Migrator copying from host weights."""
+
+    def __init__(self, shape: ClusterShape, worker: int, host: dict, hidden: int, intermediate: int):
+        self.worker = worker
+        pools = {}
+        for layer, (w13, w2) in host.items():
+            pools[layer] = SlotPool(shape, worker, hidden, intermediate, torch.float32, torch.device("cpu"))
+            pools[layer].load_primaries(w13, w2)
+        self.migrator = Migrator(shape, worker, pools, make_copy_engine(torch.device("cpu")), HostWeightsSource(host))
+        self.layers = {layer: FFNLayer(pool) for layer, pool in pools.items()}
+
+    def forward(self, hidden, ids, weights, plan):
+        self.migrator.commit(plan)
+        out = self.layers[plan.target.layer].forward(hidden, ids, weights, plan, self.worker)
+        self.migrator.release(plan)
+        return out
+
+
+def _tiny_shape(workers: int = 2):
+    model = tiny("qwen3_moe")
+    spec = read_model_spec(model)
+    shape = ClusterShape(num_experts=spec.num_experts, num_workers=workers, num_layers=len(spec.moe_layer_indices),
+                         top_k=spec.top_k, m_tile=1, redundant_slots=2)
+    host = {}
+    for layer, index in enumerate(spec.moe_layer_indices):
+        w = load_routed_experts(model, index, torch.float32)
+        host[layer] = (w.w13, w.w2)
+    return spec, shape, host
+
+
 @pytest.mark.parametrize("policy_name", ["afore", "libra", "eplb", "harmoeny"])
 def test_worker_partials_sum_to_the_monolithic_layer_under_every_plan(policy_name):
-    model = tiny("qwen3_moe")
-    info = read_model_info(model)
-    shape = ClusterShape(num_experts=info.num_experts, num_workers=2, num_layers=len(info.moe_layers),
-                         top_k=info.top_k, m_tile=1, redundant_slots=2)
-    shards = [ExpertShard(model, "cpu", shape, w) for w in range(2)]
-    view = PoolView(shape)
+    """Every policy's plans are valid on every FFN worker and the partials sum to the dense layer."""
+    spec, shape, host = _tiny_shape()
+    shards = [Shard(shape, w, host, spec.hidden_size, spec.moe_intermediate_size) for w in range(2)]
     policy = make_policy(policy_name, shape, SchedulerParams(copy_budget=4), CostModel(window_ms=1e3))
     torch.manual_seed(0)
     copies = 0
     for seq in range(12):
         layer = seq % shape.num_layers
-        w13, w2 = shards[0].host[layer]
+        w13, w2 = host[layer]
         n = 24
-        hidden = torch.randn(n, info.hidden_size)
+        hidden = torch.randn(n, spec.hidden_size)
         # skewed routing: most tokens pick expert 0 (a primary of worker 0), so plans replicate it
-        rest = torch.stack([torch.randperm(info.num_experts - 1)[: info.top_k - 1] + 1 for _ in range(n)])
-        first = torch.where(torch.rand(n) < 0.8, 0, int(torch.randint(1, info.num_experts, ())))
+        rest = torch.stack([torch.randperm(spec.num_experts - 1)[: spec.top_k - 1] + 1 for _ in range(n)])
+        first = torch.where(torch.rand(n) < 0.8, 0, int(torch.randint(1, spec.num_experts, ())))
         first = torch.where((rest == first[:, None]).any(1), 0, first)
         ids = torch.cat([first[:, None], rest], dim=1).to(torch.int32)
-        weights = torch.rand(n, info.top_k)
-        want = torch.zeros(n, info.hidden_size)
+        weights = torch.rand(n, spec.top_k)
+        want = torch.zeros(n, spec.hidden_size)
         for t in range(n):  # dense reference: sum_k w_k * expert_k(x)
-            for j in range(info.top_k):
+            for j in range(spec.top_k):
                 e = int(ids[t, j])
                 g, u = (w13[e] @ hidden[t]).chunk(2)
                 want[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(g) * u))
-        demand = count_demand(ids, info.num_experts).numpy()
+        demand = count_demand(ids, spec.num_experts).numpy()
         plan = policy.plan(Observation(Target(seq // shape.num_layers, layer, 0), seq, demand))
         check_plan(shape, plan)
-        assert view.accept(plan) is None
+        for s in shards:
+            assert s.migrator.prepare(plan, expected_seq=seq, expected_target=plan.target), s.migrator.last_rejection
         copies += len(plan.copies)
-        got = sum(shards[w].forward(layer, hidden, ids, weights, plan) for w in range(2))
+        got = sum(s.forward(hidden, ids, weights, plan) for s in shards)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert all(s.rejected == 0 for s in shards)
     if policy_name == "afore":
         assert copies > 0, "the skewed demand should have produced replica copies"
 
 
-def test_pool_view_refuses_a_plan_that_relies_on_a_copy_never_run():
-    model = tiny("qwen3_moe")
-    info = read_model_info(model)
-    shape = ClusterShape(num_experts=info.num_experts, num_workers=2, num_layers=len(info.moe_layers),
-                         top_k=info.top_k, m_tile=1, redundant_slots=2)
+def test_a_plan_relying_on_a_copy_never_run_is_refused():
+    """A plan that arrived too late ran primary-only, so its copies never happened; a later plan
+    that counts on them is refused by the worker lacking the replica (and then, through the
+    agreement, by all: tests/transport/test_plan_agreement.py)."""
+    spec, shape, host = _tiny_shape()
     policy = make_policy("afore", shape, SchedulerParams(copy_budget=4), CostModel(window_ms=1e3))
-    demand = np.zeros(info.num_experts, np.int64)
+    demand = np.zeros(spec.num_experts, np.int64)
     demand[0] = 64
     plans = [policy.plan(Observation(Target(s, 0, 0), s, demand)) for s in range(3)]
     first_with_copies = next(i for i, p in enumerate(plans) if len(p.copies))
     later = next((p for p in plans[first_with_copies + 1:] if (p.assignment[:, 1] > 0).any() and not len(p.copies)), None)
     assert later is not None, "a later plan should reuse the replica without copying it again"
-    view = PoolView(shape)  # the plan with the copies was never run
-    assert view.accept(later) is not None
-
-
-def _ffn_echo(link: FFNLink, scale: float, stop: threading.Event, fail_seq: int = -1) -> None:
-    while not stop.is_set():
-        reqs = link.recv_target(timeout_ms=50)
-        if reqs is None:
-            continue
-        if reqs[0].head.seq == fail_seq:
-            link.send_error(reqs, "boom")
-            continue
-        link.send_outputs(reqs, [r.hidden * scale for r in reqs])
-
-
-def test_link_gathers_all_attention_workers_and_sums_ffn_partials(tmp_path):
-    ffn_ep = [f"ipc://{tmp_path}/f{w}" for w in range(3)]
-    attn_ep = [f"ipc://{tmp_path}/a{a}" for a in range(2)]
-    stop = threading.Event()
-    ffn = [FFNLink(w, ffn_ep[w], attn_ep) for w in range(3)]
-    threads = [threading.Thread(target=_ffn_echo, args=(ffn[w], float(w + 1), stop, 7)) for w in range(3)]
-    for t in threads:
-        t.start()
-    attn = [AttentionLink(a, attn_ep[a], ffn_ep, timeout_s=10) for a in range(2)]
-    try:
-        xs = [torch.randn(5, 4), torch.randn(0, 4)]
-        ids = [torch.zeros(5, 2, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32)]
-        for seq in (1, 2):  # two targets in flight before any answer is read
-            for a in range(2):
-                attn[a].send(seq, 0, 0, seq, xs[a], ids[a], torch.ones_like(ids[a], dtype=torch.float32))
-        for seq in (1, 2):
-            out0 = attn[0].recv(seq, 5, 4, torch.float32)
-            torch.testing.assert_close(out0, xs[0] * 6)  # 1 + 2 + 3
-            assert attn[1].recv(seq, 0, 4, torch.float32).shape == (0, 4)
-        for a in range(2):
-            attn[a].send(7, 0, 0, 0, xs[0], ids[0], torch.ones(5, 2))
-        with pytest.raises(RuntimeError, match="boom"):
-            attn[0].recv(7, 5, 4, torch.float32)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        for link in ffn + attn:
-            link.close()
-
-
-def test_link_fails_fast_when_an_ffn_worker_is_dead(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    link = AttentionLink(0, f"ipc://{tmp_path}/a0", [f"ipc://{tmp_path}/f0"], ffn_pids=[dead.pid], timeout_s=30)
-    try:
-        link.send(0, 0, 0, 0, torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2))
-        t0 = time.monotonic()
-        with pytest.raises(PeerDied):
-            link.recv(0, 1, 4, torch.float32)
-        assert time.monotonic() - t0 < 5
-    finally:
-        link.close()
-
-
-def test_link_times_out_instead_of_hanging(tmp_path):
-    link = AttentionLink(0, f"ipc://{tmp_path}/a0", [f"ipc://{tmp_path}/f0"], ffn_pids=[os.getpid()], timeout_s=0.5)
-    try:
-        link.send(0, 0, 0, 0, torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2))
-        with pytest.raises(TimeoutError):
-            link.recv(0, 1, 4, torch.float32)
-    finally:
-        link.close()
-
-
-def test_plan_decisions_reach_every_follower_in_any_order(tmp_path):
-    eps = [f"ipc://{tmp_path}/c{w}" for w in range(3)]
-    followers = [PlanDecisions(w, eps, leader_pid=os.getpid()) for w in (1, 2)]
-    leader = PlanDecisions(0, eps)
-    try:
-        for seq, plan in ((3, b"p3"), (4, b""), (5, b"p5")):
-            leader.announce(seq, plan)
-        for f in followers:
-            assert f.wait(4, 5.0) == b""
-            assert f.wait(5, 5.0) == b"p5"
-    finally:
-        for d in followers + [leader]:
-            d.close()
-
-
-def test_plan_decision_wait_fails_fast_when_the_leader_died(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    follower = PlanDecisions(1, [f"ipc://{tmp_path}/c0", f"ipc://{tmp_path}/c1"], leader_pid=dead.pid)
-    try:
-        with pytest.raises(PeerDied):
-            follower.wait(0, 30.0)
-    finally:
-        follower.close()
+    shards = [Shard(shape, w, host, spec.hidden_size, spec.moe_intermediate_size) for w in range(2)]
+    assert shards[0].migrator.prepare(later)  # worker 0 runs expert 0 from its primary slot
+    assert not shards[1].migrator.prepare(later)  # the plan with the copies was never run
+    assert "neither resident nor copied" in shards[1].migrator.last_rejection
+    ok = Shard(shape, 1, host, spec.hidden_size, spec.moe_intermediate_size)
+    for p in plans[: plans.index(later) + 1]:  # with the earlier plans applied, it is valid
+        assert ok.migrator.prepare(p), ok.migrator.last_rejection
+        ok.migrator.commit(p)
+        ok.migrator.release(p)
