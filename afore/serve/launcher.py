@@ -42,7 +42,8 @@ import msgspec
 from tqdm import tqdm
 
 from afore.attention.role import AttentionRoleConfig
-from afore.serve.model_info import MoEModelInfo, read_model_info, serving_dtype
+from afore.models.checkpoint import read_model_spec
+from afore.models.spec import ARCHITECTURES, ModelSpec
 
 log = logging.getLogger("afore.serve")
 
@@ -102,10 +103,42 @@ def device_count(device: str) -> int:
     return len(os.sched_getaffinity(0))
 
 
-def check_shape(opts: ServeOptions, info: MoEModelInfo, devices: int) -> None:
+def read_serving_spec(path: str) -> tuple[ModelSpec, dict]:
+    """The checkpoint's ``ModelSpec`` (``afore.models``) and its raw config.json, refusing what
+    ``afore serve`` cannot serve: no config.json, an architecture outside ``ARCHITECTURES``,
+    experts other than gated SiLU MLPs (ValueError naming the field)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"model: expected a Hugging Face checkpoint directory with config.json, got {path!r}")
+    with open(cfg_path) as fh:
+        config = json.load(fh)
+    if not isinstance(config, dict) or config.get("model_type") not in ARCHITECTURES:
+        got = config.get("model_type") if isinstance(config, dict) else config
+        raise ValueError(f"model_type: expected one of {list(ARCHITECTURES)} (MoE architectures afore serves), got {got!r}")
+    spec = read_model_spec(path)
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act: expected 'silu' (gated SiLU experts), got {act!r}")
+    return spec, config
+
+
+def serving_dtype(requested: str, config: dict) -> str:
+    """The dtype name the model is served in: vLLM's ``--dtype`` (``auto`` = the checkpoint's
+    config.json dtype, float32 when it declares none, as vLLM resolves it)."""
+    aliases = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+    name = aliases.get(requested, requested)
+    declared = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if name == "auto":
+        name = aliases.get(declared, declared)
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {requested!r} (checkpoint: {declared!r})")
+    return name
+
+
+def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
     """Refuse impossible shapes before starting anything (ValueError with the fix)."""
-    if info.num_experts < opts.ffn_workers:
-        raise ValueError(f"ffn_workers: expected at most {info.num_experts} (the model's experts per layer), got {opts.ffn_workers}")
+    if spec.num_experts < opts.ffn_workers:
+        raise ValueError(f"ffn_workers: expected at most {spec.num_experts} (the model's experts per layer), got {opts.ffn_workers}")
     needed = opts.attn_workers + opts.ffn_workers
     if devices < 1:
         raise ValueError(f"device: no {opts.device} device is available")
@@ -144,7 +177,8 @@ class Launcher:
     def __init__(self, opts: ServeOptions):
         self.opts = opts
         self.model = ""
-        self.info: MoEModelInfo | None = None
+        self.spec: ModelSpec | None = None
+        self.config: dict = {}
         self.ffn: list[Child] = []
         self.scheduler: Child | None = None
         self.server: Child | None = None
@@ -165,9 +199,9 @@ class Launcher:
         try:
             steps.set_postfix_str("model")
             self.model = resolve_model(opts)
-            self.info = read_model_info(self.model)
-            check_shape(opts, self.info, device_count(opts.device))
-            serving_dtype(opts.dtype, self.info)
+            self.spec, self.config = read_serving_spec(self.model)
+            check_shape(opts, self.spec, device_count(opts.device))
+            serving_dtype(opts.dtype, self.config)
             steps.update()
             steps.set_postfix_str("scheduler")
             self.start_scheduler(self.policy)
@@ -186,10 +220,10 @@ class Launcher:
     def shape(self):
         from afore.config import ClusterShape
 
-        assert self.info is not None
-        return ClusterShape(num_experts=self.info.num_experts, num_workers=self.opts.ffn_workers,
-                            num_layers=len(self.info.moe_layers), redundant_slots=self.opts.redundant_slots,
-                            top_k=self.info.top_k)
+        assert self.spec is not None
+        return ClusterShape(num_experts=self.spec.num_experts, num_workers=self.opts.ffn_workers,
+                            num_layers=len(self.spec.moe_layer_indices), redundant_slots=self.opts.redundant_slots,
+                            top_k=self.spec.top_k)
 
     def start_scheduler(self, policy: str) -> None:
         from afore.config import SchedulerParams
@@ -215,7 +249,7 @@ class Launcher:
         import socket
 
         opts = self.opts
-        assert self.info is not None
+        assert self.spec is not None
         with socket.socket() as sock:
             sock.bind((opts.host, 0))
             self.store_port = sock.getsockname()[1]
@@ -225,7 +259,7 @@ class Launcher:
             cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
                    "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", opts.host,
                    "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
-                   "--dtype", serving_dtype(opts.dtype, self.info), "--redundant-slots", str(opts.redundant_slots),
+                   "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             env = {**os.environ, **self._device_env(opts.attn_workers + w)}
             self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
@@ -243,12 +277,12 @@ class Launcher:
         return cmd + list(opts.vllm_args)
 
     def start_server(self) -> None:
-        assert self.info is not None
-        role = AttentionRoleConfig(num_experts=self.info.num_experts, top_k=self.info.top_k,
+        assert self.spec is not None
+        role = AttentionRoleConfig(num_experts=self.spec.num_experts, top_k=self.spec.top_k,
                                    attn_workers=self.opts.attn_workers, ffn_workers=self.opts.ffn_workers,
-                                   moe_layers=list(self.info.moe_layers), store_port=self.store_port,
-                                   hidden=self.info.hidden_size, store_host=self.opts.host,
-                                   dtype=serving_dtype(self.opts.dtype, self.info), device=self.opts.device,
+                                   moe_layers=list(self.spec.moe_layer_indices), store_port=self.store_port,
+                                   hidden=self.spec.hidden_size, store_host=self.opts.host,
+                                   dtype=serving_dtype(self.opts.dtype, self.config), device=self.opts.device,
                                    microbatches=self.opts.microbatches, mailbox=self.mailbox_name,
                                    exchange_timeout_s=self.opts.exchange_timeout_s)
         env = {**os.environ, **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),

@@ -21,8 +21,7 @@ from afore.migrator.slot_pool import SlotPool
 from afore.models.checkpoint import load_routed_experts, read_model_spec
 from afore.scheduler.plan import Target, check_plan
 from afore.scheduler.policies import Observation, make_policy
-from afore.serve.launcher import ServeOptions, check_shape
-from afore.serve.model_info import read_model_info
+from afore.serve.launcher import ServeOptions, check_shape, read_serving_spec, serving_dtype
 
 
 def _role(**kw) -> AttentionRoleConfig:
@@ -61,22 +60,36 @@ def test_malformed_env_config_names_the_variable(monkeypatch):
         load_from_env()
 
 
-def test_model_info_of_tiny_checkpoints():
-    info = read_model_info(tiny("qwen3_moe"))
-    assert info.model_type == "qwen3_moe" and info.num_experts >= 2 and 1 <= info.top_k <= info.num_experts
-    assert list(info.moe_layers) == sorted(info.moe_layers) and info.moe_layers
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe"])
+def test_serving_spec_of_tiny_checkpoints(arch):
+    spec, config = read_serving_spec(tiny(arch))
+    assert spec.architecture == arch and spec.num_experts >= 2 and 1 <= spec.top_k <= spec.num_experts
+    assert list(spec.moe_layer_indices) == sorted(spec.moe_layer_indices) and spec.moe_layer_indices
+    assert config["model_type"] == arch
 
 
-def test_unknown_architecture_refused(tmp_path):
+def test_unknown_architecture_and_activation_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
-    with pytest.raises(ValueError, match="model_type"):
-        read_model_info(str(tmp_path))
+    with pytest.raises(ValueError, match="model_type.*qwen3_moe"):
+        read_serving_spec(str(tmp_path))
     with pytest.raises(ValueError, match="config.json"):
-        read_model_info(str(tmp_path / "missing"))
+        read_serving_spec(str(tmp_path / "missing"))
+    config = json.loads(open(f"{tiny('qwen3_moe')}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act"):
+        read_serving_spec(str(tmp_path))
+
+
+def test_serving_dtype_follows_vllm_auto():
+    assert serving_dtype("auto", {"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert serving_dtype("auto", {}) == "float32"
+    assert serving_dtype("half", {"dtype": "bfloat16"}) == "float16"
+    with pytest.raises(ValueError, match="dtype"):
+        serving_dtype("int8", {})
 
 
 def test_impossible_shapes_refused():
-    info = read_model_info(tiny("qwen3_moe"))
+    info, _ = read_serving_spec(tiny("qwen3_moe"))
     with pytest.raises(ValueError, match="ffn_workers"):
         check_shape(ServeOptions(ffn_workers=info.num_experts + 1, colocate=True), info, devices=64)
     with pytest.raises(ValueError, match="--colocate"):
@@ -89,7 +102,7 @@ def test_impossible_shapes_refused():
 
 def test_serve_cli_fails_at_start_with_a_clear_message():
     model = tiny("qwen3_moe")
-    info = read_model_info(model)
+    info, _ = read_serving_spec(model)
     out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--model", model, "--colocate",
                           "--ffn-workers", str(info.num_experts + 1)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
