@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="OpenAI-compatible API port")
     parser.add_argument("--admin-port", type=int, default=0, help="admin endpoint port (0 = port + 1, -1 = off)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus metrics: the scheduler on this port, FFN worker w on port + 1 + w (0 = off)")
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                             policy=args.policy, device=args.device, host=args.host, port=args.port,
-                            admin_port=args.admin_port, microbatches=args.microbatches,
+                            admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
                             redundant_slots=args.redundant_slots, copy_budget=args.copy_budget,
                             colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
                             enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,

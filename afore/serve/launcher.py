@@ -59,6 +59,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     admin_port: int = 0             # 0 = port + 1; -1 = off
+    metrics_port: int = 0           # Prometheus: scheduler on this port, FFN worker w on port + 1 + w; 0 = off
     microbatches: int = 2
     redundant_slots: int = 2
     copy_budget: int = 8
@@ -82,6 +83,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port: expected in [1, 65535], got {self.port}")
+        if self.metrics_port and not 1 <= self.metrics_port <= 65535 - 1 - self.ffn_workers:
+            raise ValueError(f"metrics_port: expected 0 (off) or in [1, {65535 - 1 - self.ffn_workers}], got {self.metrics_port}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches: expected >= 1, got {self.microbatches}")
         if self.redundant_slots < 0:
@@ -231,7 +234,8 @@ class Launcher:
 
         cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
-                            params=SchedulerParams(copy_budget=self.opts.copy_budget))
+                            params=SchedulerParams(copy_budget=self.opts.copy_budget),
+                            metrics_port=self.opts.metrics_port or -1)
         proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent)
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
@@ -261,6 +265,8 @@ class Launcher:
                    "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
+            if opts.metrics_port:  # the worker serves on --metrics-port + rank
+                cmd += ["--metrics-port", str(opts.metrics_port + 1)]
             env = {**os.environ, **self._device_env(opts.attn_workers + w)}
             self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
         self._check_children("starting FFN workers")

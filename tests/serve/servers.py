@@ -26,17 +26,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (API and admin endpoint)."""
+def free_port_pair(n: int = 2) -> int:
+    """A port p with p .. p + n - 1 free (default: API and admin endpoint)."""
     for _ in range(50):
         p = free_port()
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p + k))
             return p
         except OSError:
             continue
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def http(method: str, url: str, body: object | None = None, timeout: float = 120.0, raw: bytes | None = None) -> tuple[int, dict | str]:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import needs_vllm
-from servers import PROMPTS, AforeServer, assert_same_generation, http
+from servers import PROMPTS, AforeServer, assert_same_generation, free_port_pair, http
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -64,7 +64,10 @@ def _shm_segments(tag: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def a1f2(model, want, log_dir):
-    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a1f2.log"), attn_workers=1, ffn_workers=2)
+    metrics = free_port_pair(3)  # scheduler, FFN worker 0, FFN worker 1
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a1f2.log"), attn_workers=1, ffn_workers=2,
+                         extra=["--metrics-port", str(metrics)])
+    server.metrics_port = metrics
     pid = server.proc.pid
     descendants = _descendants(pid)  # taken while all run (the kill test ends the FFN workers)
     assert len(descendants) >= 4  # scheduler, 2 FFN workers, vLLM (and vLLM's own children)
@@ -119,6 +122,26 @@ def _concurrent(server, n: int = 32) -> None:
 def test_a1f2_32_concurrent_requests_complete(a1f2, want):
     _concurrent(a1f2)
     assert_same_generation(a1f2.greedy(), want)  # and nothing is left in a bad state
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    assert values, f"{name} not exported"
+    return sum(values)
+
+
+def test_a1f2_prometheus_metrics_of_scheduler_and_ffn_workers(a1f2):
+    code, out = a1f2.set_policy("afore")  # plans that are not primary-only: the migrator records windows
+    assert code == 200, out
+    a1f2.greedy(PROMPTS[:2], 8)
+    code, text = http("GET", f"http://127.0.0.1:{a1f2.metrics_port}/metrics", timeout=10)
+    assert code == 200
+    assert _metric(text, "afore_scheduler_plans_total") > 0
+    for w in range(2):
+        code, text = http("GET", f"http://127.0.0.1:{a1f2.metrics_port + 1 + w}/metrics", timeout=10)
+        assert code == 200
+        assert _metric(text, "afore_ffn_targets_total") > 0
+        assert _metric(text, "afore_ffn_lookahead_window_ms_count") > 0  # the measured lookahead window
 
 
 def test_a1f2_malformed_requests_get_4xx_and_disturb_nothing(a1f2, want):

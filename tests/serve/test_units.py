@@ -211,3 +211,12 @@ def test_a_plan_relying_on_a_copy_never_run_is_refused():
         assert ok.migrator.prepare(p), ok.migrator.last_rejection
         ok.migrator.commit(p)
         ok.migrator.release(p)
+
+
+def test_metrics_port_range_checked():
+    assert ServeOptions(metrics_port=0).metrics_port == 0
+    assert ServeOptions(metrics_port=9400, ffn_workers=4).metrics_port == 9400
+    with pytest.raises(ValueError, match="metrics_port"):
+        ServeOptions(metrics_port=65535, ffn_workers=2)  # FFN workers would need ports past 65535
+    with pytest.raises(ValueError, match="metrics_port"):
+        ServeOptions(metrics_port=-3)
