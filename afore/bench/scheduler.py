@@ -46,7 +46,7 @@ from afore.scheduler.plan import Target
 from afore.scheduler.policies import POLICY_NAMES, Observation, make_policy
 from afore.scheduler.policies.eplb import rebalance
 from afore.traces.harmoeny import load_harmoeny
-from afore.traces.synthetic import WORKLOADS, SyntheticSpec, generate, sample_topk_counts
+from afore.traces.synthetic import WORKLOADS, SyntheticSpec, generate, resample_trace
 
 EP_DEGREES = (2, 4, 8, 16, 32, 64, 128)
 NUM_EXPERTS, TOP_K = 128, 8
@@ -156,15 +156,7 @@ def build_workloads(config: dict) -> list[dict]:
         names = ["wikitext"] if config["quick"] else sorted(real)
         for name in names:
             trace = real[name]
-            pop = trace.counts[:, :, 0, :].astype(np.float64)  # [iterations, layers, E], top-1 counts
-            if pop.shape[0] < steps:
-                raise ValueError(f"steps: the {name} trace has {pop.shape[0]} iterations, asked for {steps}")
-            counts = np.zeros((steps, pop.shape[1], mbs, NUM_EXPERTS), np.int64)
-            for s in range(steps):
-                for l in range(pop.shape[1]):
-                    p = pop[s, l] + 1e-3  # experts never chosen in the trace keep a tiny probability
-                    for b in range(mbs):
-                        counts[s, l, b] = sample_topk_counts(p / p.sum(), tokens, TOP_K, rng)
+            counts = resample_trace(trace.counts, name, steps, mbs, tokens, TOP_K, rng)
             workloads.append({"name": f"harmoeny-{name}", "kind": "real", "source": trace.source, "counts": counts})
     synth_names = WORKLOADS[:1] if config["quick"] else WORKLOADS
     for name in synth_names:

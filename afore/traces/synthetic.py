@@ -131,3 +131,23 @@ def generate(spec: SyntheticSpec) -> Trace:
     return Trace(counts=counts, model=spec.model, source=f"synthetic:{spec.workload} seed={spec.seed}",
                  workload=spec.workload, top_k=spec.top_k, hidden_size=spec.hidden_size,
                  moe_intermediate_size=spec.moe_intermediate_size)
+
+
+def resample_trace(counts: np.ndarray, name: str, steps: int, microbatches: int, tokens: int, top_k: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Top-k demand int64[steps, layers, microbatches, E] drawn from a real trace's popularity.
+
+    ``counts``: the trace's counts[iteration, layer, microbatch, E] (microbatch 0 is used, as
+    popularity per iteration and layer); each target samples ``tokens`` tokens x ``top_k``
+    distinct experts. Experts never chosen in the trace keep a tiny probability.
+    """
+    pop = counts[:, :, 0, :].astype(np.float64)  # [iterations, layers, E]
+    if pop.shape[0] < steps:
+        raise ValueError(f"steps: the {name} trace has {pop.shape[0]} iterations, asked for {steps}")
+    out = np.zeros((steps, pop.shape[1], microbatches, pop.shape[2]), np.int64)
+    for s in range(steps):
+        for layer in range(pop.shape[1]):
+            p = pop[s, layer] + 1e-3
+            for b in range(microbatches):
+                out[s, layer, b] = sample_topk_counts(p / p.sum(), tokens, top_k, rng)
+    return out
