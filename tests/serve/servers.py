@@ -12,6 +12,8 @@ import time
 import urllib.error
 import urllib.request
 
+from afore.serve.launcher import _die_with_parent
+
 PROMPTS = [
     "The quick brown fox",
     "def add(a, b):",
@@ -70,7 +72,9 @@ class Server:
     def __init__(self, cmd: list[str], port: int, log_path: str, start_timeout_s: float = 600.0):
         self.cmd, self.port, self.log_path = cmd, port, log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=base_env(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        # a server dies with the test process, even one killed before its fixtures' teardown
+        self.proc = subprocess.Popen(cmd, env=base_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self.proc.poll() is not None:
