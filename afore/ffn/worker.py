@@ -70,6 +70,7 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_timeout_ms: float = 5.0      # deadline for a target's plan at commit
     metrics_port: int = 0             # 0 = no HTTP endpoint
     copy_delay_ms: float = 0.0        # artificial delay per copy (CPU tests)
+    copy_rate_gbps: float = 100.0     # GPU copy pull rate cap while experts compute; 0 = full rate
     timeout_s: float = 300.0          # transport timeout
     depth: int = 2                    # targets queued ahead at the transport (>= 2)
 
@@ -82,8 +83,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.backend not in ("", "gloo", "nccl"):
             raise ValueError(f"backend: expected '', 'gloo' or 'nccl', got {self.backend!r}")
-        if self.plan_timeout_ms < 0 or self.copy_delay_ms < 0:
-            raise ValueError("plan_timeout_ms / copy_delay_ms: expected >= 0")
+        if self.plan_timeout_ms < 0 or self.copy_delay_ms < 0 or self.copy_rate_gbps < 0:
+            raise ValueError("plan_timeout_ms / copy_delay_ms / copy_rate_gbps: expected >= 0")
         if self.depth < 2:
             raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
 
@@ -136,7 +137,8 @@ class FFNWorker:
         else:
             source = HostWeightsSource(host_weights)
         self.migrator = Migrator(self.shape, cfg.rank, self.pools,
-                                 make_copy_engine(self.device, delay_s=cfg.copy_delay_ms / 1e3), source)
+                                 make_copy_engine(self.device, delay_s=cfg.copy_delay_ms / 1e3,
+                                                  max_gbps=cfg.copy_rate_gbps or None), source)
         self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
         self.metrics = FFNMetrics(cfg.rank)
         if cfg.metrics_port:
@@ -250,9 +252,29 @@ def serve_worker(cfg: FFNWorkerConfig) -> int:
     return 0
 
 
+def exit_process(code: int) -> None:
+    """End a worker process now, after flushing logs and output.
+
+    The transport's receive thread may sit in a receive that has no timeout (a worker waits
+    for requests indefinitely) and cannot be interrupted; interpreter teardown would then
+    wait on it, or on the communicators' destructors, and the process would have to be
+    killed. Everything that outlives the process (shared-memory segments, the metrics port)
+    is released by ``FFNWorker.close`` before this."""
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def _process_main(cfg_bytes: bytes) -> None:
     cfg = msgspec.json.decode(cfg_bytes, type=FFNWorkerConfig)
-    raise SystemExit(serve_worker(cfg))
+    exit_process(serve_worker(cfg))
 
 
 def start_ffn_workers(configs: list[FFNWorkerConfig]) -> list[mp.Process]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from afore.ffn.worker import DTYPES, FFNWorkerConfig, serve_worker
+from afore.ffn.worker import DTYPES, FFNWorkerConfig, exit_process, serve_worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("", "gloo", "nccl"), default="", help="default: gloo on CPU, nccl on CUDA")
     parser.add_argument("--redundant-slots", type=int, default=2, help="R, redundant slots per layer")
     parser.add_argument("--m-tile", type=int, default=16)
+    parser.add_argument("--copy-rate-gbps", type=float, default=100.0,
+                        help="GPU: pace expert copies to this pull rate while experts compute, faster only when the "
+                             "lookahead window needs it (0 = always full rate)")
     parser.add_argument("--plan-ring", default="", help="the scheduler's PlanRing name (none: primary-only plans)")
     parser.add_argument("--plan-timeout-ms", type=float, default=5.0)
     parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics on this port + rank (0: off)")
@@ -31,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = FFNWorkerConfig(rank=args.rank, num_ffn=args.num_ffn, num_attention=args.num_attention, model=args.model,
                           host=args.host, port=args.port, device=args.device, dtype=args.dtype, backend=args.backend,
                           redundant_slots=args.redundant_slots, m_tile=args.m_tile, plan_ring=args.plan_ring,
-                          plan_timeout_ms=args.plan_timeout_ms, metrics_port=args.metrics_port, timeout_s=args.timeout_s)
-    return serve_worker(cfg)
+                          plan_timeout_ms=args.plan_timeout_ms, copy_rate_gbps=args.copy_rate_gbps, metrics_port=args.metrics_port, timeout_s=args.timeout_s)
+    exit_process(serve_worker(cfg))
+    return 0  # not reached

@@ -98,15 +98,21 @@ class Migrator:
     """Plans -> slot pool state for one FFN worker (all its layers)."""
 
     def __init__(self, shape: ClusterShape, worker: int, pools: dict[int, SlotPool],
-                 engine: CopyEngine, source: WeightSource) -> None:
+                 engine: CopyEngine, source: WeightSource, deadline_share: float = 0.5) -> None:
         shape.check_worker(worker)
         for layer, pool in pools.items():
             shape.check_layer(layer)
             if pool.worker != worker:
                 raise ValueError(f"pools[{layer}].worker: expected {worker}, got {pool.worker}")
+        if not 0 < deadline_share <= 1:
+            raise ValueError(f"deadline_share: expected in (0, 1], got {deadline_share}")
         self.shape = shape
         self.worker = worker
         self.pools = pools
+        # Copies are asked to end within this share of the expected lookahead window (the
+        # smaller of the last two measured windows); a pacing engine slows down no further.
+        self.deadline_share = deadline_share
+        self._recent_windows: collections.deque[float] = collections.deque(maxlen=2)
         self.engine = engine
         self.source = source
         self.num_primaries = int(shape.primary_counts[worker])
@@ -264,13 +270,20 @@ class Migrator:
             fence = self.last_read[layer][r]
             if fence is not None and fence not in after:
                 after.append(fence)
-        batch = self.engine.submit(jobs, after)
+        batch = self.engine.submit(jobs, after, deadline_ms=self.copy_deadline_ms())
         for ex, _, s in copies:
             pool.resident[s] = ex
             self.pending[layer][s - self.num_primaries] = batch
         return batch
 
     # ------------------------------------------------------------------ timings
+
+    def copy_deadline_ms(self) -> float | None:
+        """How soon a batch submitted now should finish: ``deadline_share`` of the expected
+        lookahead window; None (no pacing) until a window has been measured."""
+        if not self._recent_windows:
+            return None
+        return self.deadline_share * min(self._recent_windows)
 
     def _resolve(self) -> None:
         while self._unresolved:
@@ -281,6 +294,7 @@ class Migrator:
             if window is None or any(x is None for x in raws) or any(x is None for x in ends):
                 return
             self._unresolved.popleft()
+            self._recent_windows.append(float(window))
             self.records.append(MigrationRecord(state.plan.seq, state.copies, state.bytes, float(sum(raws)),
                                                 max([0.0, *ends]), float(window)))
 

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
+    parser.add_argument("--copy-rate-gbps", type=float, default=100.0,
+                        help="GPU FFN workers: expert copy pull rate while experts compute (0 = full rate; see docs/ffn-side.md)")
     parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="auto", help="vLLM --dtype")
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         opts = ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                             policy=args.policy, device=args.device, host=args.host, port=args.port,
                             admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
-                            redundant_slots=args.redundant_slots, copy_budget=args.copy_budget,
+                            redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
                             colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
                             enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                             vllm_args=list(args.vllm_arg))

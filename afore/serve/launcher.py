@@ -63,6 +63,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     microbatches: int = 2
     redundant_slots: int = 2
     copy_budget: int = 8
+    copy_rate_gbps: float = 100.0   # GPU FFN workers: copy pull rate while experts compute; 0 = full rate
     colocate: bool = False
     max_model_len: int = 2048
     enforce_eager: bool = False
@@ -91,6 +92,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
         if self.copy_budget < 0:
             raise ValueError(f"copy_budget: expected >= 0, got {self.copy_budget}")
+        if self.copy_rate_gbps < 0:
+            raise ValueError(f"copy_rate_gbps: expected >= 0 (0 = full rate), got {self.copy_rate_gbps}")
 
     @property
     def admin(self) -> int:
@@ -264,6 +267,7 @@ class Launcher:
                    "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", opts.host,
                    "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
+                   "--copy-rate-gbps", str(opts.copy_rate_gbps),
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             if opts.metrics_port:  # the worker serves on --metrics-port + rank
                 cmd += ["--metrics-port", str(opts.metrics_port + 1)]

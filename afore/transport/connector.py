@@ -422,11 +422,15 @@ class FFNConnector:
 
 
 def _shutdown(group) -> None:
-    for name in ("shutdown", "abort"):
+    # NCCL: abort, which cancels what is still pending (a shutdown waits for it, and the peer
+    # may be gone); gloo: shutdown. The first call that works ends it.
+    nccl = hasattr(dist, "ProcessGroupNCCL") and isinstance(group, dist.ProcessGroupNCCL)
+    for name in (("abort", "shutdown") if nccl else ("shutdown", "abort")):
         fn = getattr(group, name, None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:
-                pass
+        if fn is None:
+            continue
+        try:
+            fn()
             return
+        except Exception:
+            continue

@@ -3,7 +3,7 @@
 # no package registry). Carries: .whl (cp312 wheels of msgspec), .devcarry/tinyq (a tiny checkpoint
 # made here by afore.models.tiny). Builds the C++ extensions in place with plain cmake, then runs
 # the parts named in $PARTS, writing reports under $OUT.
-#   PARTS="transport nccl" bash bench/device/h200.sh
+#   PARTS="migration nccl" bash bench/device/h200.sh    (migration, nccl: 2 GPUs)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -12,10 +12,11 @@ cmake -S . -B /tmp/afore-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$
 cmake --build /tmp/afore-build -j 16 > /tmp/build.log
 cp /tmp/afore-build/_*.so afore/
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-for part in ${PARTS:-transport nccl}; do
+for part in ${PARTS:-transport migration nccl}; do
   case "$part" in
     transport) python3 -m afore.bench.transport --producers 4 --readers 8 --experts 128 --iters 10000 \
                  --name transport_h200 --out-dir "$OUT" ;;
+    migration) python3 -m afore.bench.migration --out-dir "$OUT" ;;
     nccl) python3 -m afore.bench.migration --parts worker --worker-backends nccl,gloo \
             --model .devcarry/tinyq --name migration_worker_h200x2 --out-dir "$OUT" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

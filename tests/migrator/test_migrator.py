@@ -168,3 +168,38 @@ def test_thread_engine_surfaces_copy_errors(weights):
     with pytest.raises(RuntimeError, match="copy"):
         mig.commit(plan)
     mig.close()
+
+
+class RecordingEngine(SyncCopyEngine):
+    """Inline copies; remembers the deadline each batch was submitted with."""
+
+    def __init__(self):
+        super().__init__()
+        self.deadlines = []
+
+    def submit(self, jobs, after, deadline_ms=None):
+        self.deadlines.append(deadline_ms)
+        return super().submit(jobs, after, deadline_ms)
+
+
+def test_copies_are_asked_to_end_within_a_share_of_the_measured_window(weights):
+    engine = RecordingEngine()
+    pool = SlotPool(SHAPE, 0, H, I, dtype=torch.float32)
+    pool.load_primaries(*weights)
+    mig = Migrator(SHAPE, 0, {0: pool}, engine, HostWeightsSource({0: weights}), deadline_share=0.5)
+    windows = []
+    for seq, (expert, sleep_s) in enumerate([(2, 0.06), (3, 0.03), (2, 0.09), (3, 0.0)], start=1):
+        plan = plan_with_replica(expert, seq, copy=True)
+        assert mig.prepare(plan, expected_seq=seq)
+        time.sleep(sleep_s)                  # the previous target computes: the window
+        mig.commit(plan)
+        mig.release(plan)
+        windows += [r.window_ms for r in mig.drain_records()]
+    # no window measured yet for the first batch: full rate; then half the smaller of the last two
+    assert engine.deadlines[0] is None
+    assert engine.deadlines[1] == pytest.approx(0.5 * windows[0])
+    assert engine.deadlines[2] == pytest.approx(0.5 * min(windows[0], windows[1]))
+    assert engine.deadlines[3] == pytest.approx(0.5 * min(windows[1], windows[2]))
+    assert windows[0] >= 55 and windows[1] < windows[0]
+    with pytest.raises(ValueError, match="deadline_share"):
+        Migrator(SHAPE, 0, {0: pool}, engine, HostWeightsSource({0: weights}), deadline_share=0.0)
