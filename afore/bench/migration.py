@@ -312,7 +312,7 @@ def bench_overlap(shapes: dict, src_pools: dict, args, device: torch.device, dty
                 # enough batches to outlast twice the compute at this rate
                 batches = max(1, int(2 * alone_guess / max(span, 1e-3)) + 1)
                 alone_t, with_t, outlast = [], [], []
-                for _ in range(9):
+                for _ in range(15):
                     alone_t.append(time_ms(replay, device, reps=1, warmup=0))
                     _sync(device)
                     last = None
@@ -659,7 +659,7 @@ def _markdown(data: dict) -> str:
         lines += ["## Expert compute slowed by concurrent copies", "",
                   "20 grouped GEMMs as one CUDA graph, alone and while batches of 8 expert copies run on the side stream, "
                   "at full rate and paced to a cap (copies enqueued first; `outlast` = share of runs in which the copies were "
-                  "still running when the compute ended; alone and with-copies runs alternate, medians of 9). "
+                  "still running when the compute ended; alone and with-copies runs alternate, medians of 15). "
                   f"The FFN worker's default is {'full rate' if default is None else f'{default:g} GB/s'} "
                   "(faster only when a plan's copies would otherwise not fit the lookahead window).", "",
                   markdown_table(["model", "pairs", "copy rate", "achieved GB/s", "correct", "alone ms", "with copies ms", "slowdown", "outlast"],

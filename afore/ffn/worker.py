@@ -41,7 +41,7 @@ from afore.config import ClusterShape
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
 from afore.ffn.partition import bin_counts
-from afore.migrator.copy_engine import make_copy_engine
+from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS, make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
 from afore.scheduler.plan import Plan, primary_only_plan
@@ -70,7 +70,7 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_timeout_ms: float = 5.0      # deadline for a target's plan at commit
     metrics_port: int = 0             # 0 = no HTTP endpoint
     copy_delay_ms: float = 0.0        # artificial delay per copy (CPU tests)
-    copy_rate_gbps: float = 100.0     # GPU copy pull rate cap while experts compute; 0 = full rate
+    copy_rate_gbps: float = DEFAULT_COPY_RATE_GBPS  # GPU copy pull rate cap while experts compute; 0 = full rate
     timeout_s: float = 300.0          # transport timeout
     depth: int = 2                    # targets queued ahead at the transport (>= 2)
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from afore.ffn.worker import DTYPES, FFNWorkerConfig, exit_process, serve_worker
+from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("", "gloo", "nccl"), default="", help="default: gloo on CPU, nccl on CUDA")
     parser.add_argument("--redundant-slots", type=int, default=2, help="R, redundant slots per layer")
     parser.add_argument("--m-tile", type=int, default=16)
-    parser.add_argument("--copy-rate-gbps", type=float, default=100.0,
+    parser.add_argument("--copy-rate-gbps", type=float, default=DEFAULT_COPY_RATE_GBPS,
                         help="GPU: pace expert copies to this pull rate while experts compute, faster only when the "
                              "lookahead window needs it (0 = always full rate)")
     parser.add_argument("--plan-ring", default="", help="the scheduler's PlanRing name (none: primary-only plans)")

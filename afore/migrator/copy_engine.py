@@ -24,6 +24,7 @@ migrator resolves its per-target timings lazily, without synchronising.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -306,7 +307,11 @@ def _transfers(job: CopyJob) -> list[_Transfer]:
 
 #: Copy rate cap while experts compute (GB/s): measured on H200s to keep the decode-size
 #: grouped GEMM within 3% of its time alone (``afore bench migration``, overlap part).
-DEFAULT_COPY_RATE_GBPS = 100.0
+DEFAULT_COPY_RATE_GBPS = 50.0
+#: Fixed cost of one paced chunk beyond its transfer at link rate (us): the transfer's start-up
+#: and the stream's switch between the copy and the sleep kernel; ~16 us measured on H200s.
+#: The engine corrects it from its own completed batches.
+CHUNK_OVERHEAD_US = 16.0
 #: Full-rate P2P pull on H200s (NVLink 4, one direction), measured by ``afore bench migration``.
 DEFAULT_LINK_GBPS = 390.0
 
@@ -354,6 +359,8 @@ class CudaCopyEngine:
         self.chunk_bytes = int(chunk_bytes)
         self._peers_enabled: set[int] = set()
         self._ns_per_cycle: float | None = None
+        self.chunk_overhead_us = CHUNK_OVERHEAD_US
+        self._paced_batches: collections.deque = collections.deque(maxlen=64)  # (batch, chunks, planned us)
         if self.max_gbps is not None and self._driver is not None and hasattr(torch.cuda, "_sleep"):
             self._ns_per_cycle = self._calibrate_sleep()
 
@@ -424,7 +431,9 @@ class CudaCopyEngine:
             elif not transfers:
                 pass
             elif rate is not None:
-                self._paced(transfers, rate)
+                self._learn_overhead()
+                chunks, planned_us = self._paced(transfers, rate)
+                self._paced_batches.append((batch, chunks, planned_us))
             elif launch is not None:
                 launch(self.stream)
             else:
@@ -432,16 +441,29 @@ class CudaCopyEngine:
             batch.end.record(self.stream)
         return batch
 
-    def _paced(self, transfers: list[_Transfer], rate: float) -> None:
-        for chunk in split_chunks([t.nbytes for t in transfers], self.chunk_bytes):
+    def _paced(self, transfers: list[_Transfer], rate: float) -> tuple[int, float]:
+        """Chunks with a GPU sleep after each; returns (chunks, planned time in us)."""
+        chunks = split_chunks([t.nbytes for t in transfers], self.chunk_bytes)
+        planned = 0.0
+        for chunk in chunks:
             size = 0
             for index, offset, length in chunk:
                 t = transfers[index]
                 self._driver.copy(t.dst + offset, t.src + offset, length, self.stream)
                 size += length
-            gap = gap_us(size, rate, self.link_gbps)
+            gap = max(0.0, gap_us(size, rate, self.link_gbps) - self.chunk_overhead_us)
             if gap > 0:
                 torch.cuda._sleep(max(1, int(gap * 1e3 / self._ns_per_cycle)))
+            planned += size / (self.link_gbps * 1e3) + gap
+        return len(chunks), planned
+
+    def _learn_overhead(self) -> None:
+        """Update the per-chunk overhead from paced batches that have completed (no waiting)."""
+        while self._paced_batches and self._paced_batches[0][0].end.query():
+            batch, chunks, planned = self._paced_batches.popleft()
+            measured = batch.start.elapsed_time(batch.end) * 1e3
+            per_chunk = min(max((measured - planned) / chunks, 0.0), 1000.0)
+            self.chunk_overhead_us = 0.5 * self.chunk_overhead_us + 0.5 * per_chunk
 
     def _lanes_copy(self, transfers: list[_Transfer]) -> None:
         lanes = self.lanes[: max(1, min(len(self.lanes), len(transfers)))]

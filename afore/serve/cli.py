@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
 from afore.serve.launcher import POLICIES, ServeOptions, serve
 
 
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
-    parser.add_argument("--copy-rate-gbps", type=float, default=100.0,
+    parser.add_argument("--copy-rate-gbps", type=float, default=DEFAULT_COPY_RATE_GBPS,
                         help="GPU FFN workers: expert copy pull rate while experts compute (0 = full rate; see docs/ffn-side.md)")
     parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -42,6 +42,7 @@ import msgspec
 from tqdm import tqdm
 
 from afore.attention.role import AttentionRoleConfig
+from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
 
@@ -63,7 +64,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     microbatches: int = 2
     redundant_slots: int = 2
     copy_budget: int = 8
-    copy_rate_gbps: float = 100.0   # GPU FFN workers: copy pull rate while experts compute; 0 = full rate
+    copy_rate_gbps: float = DEFAULT_COPY_RATE_GBPS  # GPU FFN workers: copy pull rate while experts compute; 0 = full rate
     colocate: bool = False
     max_model_len: int = 2048
     enforce_eager: bool = False
