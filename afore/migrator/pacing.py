@@ -1,9 +1,9 @@
 """Copy pacing: how fast a batch of expert copies may pull over NVLink while experts compute.
 
 Why: a copy writes the destination GPU's HBM at the link rate (~390 GB/s on H200s), and the
-decode-size grouped GEMM is HBM-bound, so full-rate copies slow it by 8-13% (measured,
-``bench/results/migration.md``). Spreading the same bytes over the lookahead window costs
-nothing: paced to 100 GB/s the slowdown is within 3%.
+decode-size grouped GEMM is HBM-bound, so back-to-back full-rate copies slow it by up to 12.5%
+(measured, ``bench/results/migration.md``); paced to 50 GB/s, by at most 2.0%. Spreading the
+bytes over the lookahead window costs nothing as long as they still arrive in time.
 
 The rule (``copy_rate``): copy at ``cap_gbps``, unless the batch would then not finish within
 ``deadline_ms`` (a share of the expected lookahead window); then at the rate that just meets
