@@ -868,15 +868,19 @@ def _cost_model(data: dict, shapes: dict) -> CostModel:
 
 
 def _targets(data: dict) -> dict:
+    """The issue's H200 targets. The copy and overlap targets are about GPU-to-GPU pulls; with one
+    GPU the copies are same-device (not the production path) and are reported, not judged."""
     out = {}
     c = data.get("copies")
-    if c:
+    if c and not c.get("cross_device", True):
+        out["copy and overlap targets"] = {"value": "not judged: one GPU, same-device copies (HBM to HBM), not a peer pull", "met": "-"}
+    elif c:
         batched = [r for r in c["rows"] if r["experts"] >= 8]
         worst = min((r["share_of_large_copy"] for r in batched), default=None)
         if worst is not None:
             out["batched copies >= 85% of the large-copy rate (worst model, >= 8 experts)"] = {"value": f"{worst:.0%}", "met": worst >= 0.85}
     o = data.get("overlap")
-    if o:
+    if o and (c is None or c.get("cross_device", True)):
         default = [r for r in o["rows"] if r.get("default", True)]
         worst = max(r["slowdown"] for r in default)
         rate = o.get("default_rate_gbps")
