@@ -1,10 +1,18 @@
 """Demand emission on the attention worker (paper step 1, Prefetch).
 
 The per-target demand vector d[t, a] (int64[E]: token-expert pairs per expert)
-is counted on the device with ``torch.bincount``. On CPU it is put into the
-demand mailbox at once. On a GPU the count is copied into pinned host memory
-with ``non_blocking=True`` and a CUDA event is recorded; a background thread
-waits for the event and puts the vector, so the forward pass never syncs on it.
+is counted on the device (no host sync). Where it goes:
+
+- the demand mailbox (shared memory) when the attention worker runs on the FFN node: on CPU at
+  once; on a GPU the count is copied into pinned host memory with ``non_blocking=True`` and a
+  CUDA event is recorded; a background thread waits for the event and puts the vector, so the
+  forward pass never syncs on it;
+- the FFN node's demand receiver over TCP (``afore.prefetch.receiver``) when it runs on another
+  node: always from the background thread, which connects (and reconnects, at most once a
+  second, e.g. after a policy switch restarted the scheduler) without ever blocking the forward.
+
+Demand is advisory: a report that cannot be delivered is counted and dropped, and the FFN side
+runs primary-only plans for that target.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import numpy as np
 import torch
@@ -33,20 +42,63 @@ def count_demand(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return bin_counts(torch.where(valid, flat, num_experts), num_experts + 1)[:num_experts]
 
 
-class DemandEmitter:
-    """Puts d[t, a] for every target of this attention worker into the mailbox."""
+class _RemoteMailbox:
+    """A DemandClient that connects on first use and again after a failure (at most once per
+    ``retry_s``); ``put`` raises ConnectionError while it has no connection."""
 
-    def __init__(self, mailbox_name: str, num_experts: int, worker: int):
+    def __init__(self, address: str, token: str, retry_s: float = 1.0) -> None:
+        from afore.attention.role import split_address
+
+        self.host, self.port = split_address(address, "demand")
+        self.token = token
+        self.retry_s = retry_s
+        self._client = None
+        self._next_try = 0.0
+
+    def put(self, target: Target, worker: int, counts: np.ndarray) -> None:
+        from afore.prefetch.receiver import DemandClient
+
+        if self._client is None:
+            now = time.monotonic()
+            if now < self._next_try:
+                raise ConnectionError(f"demand receiver {self.host}:{self.port}: not connected (retrying)")
+            self._next_try = now + self.retry_s
+            self._client = DemandClient(self.host, self.port, self.token)
+        try:
+            self._client.put(target, worker, counts)
+        except (OSError, ConnectionError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class DemandEmitter:
+    """Puts d[t, a] for every target of this attention worker into the mailbox, or sends it to
+    the FFN node's demand receiver (``demand`` = "host:port", token ``demand_token``)."""
+
+    def __init__(self, mailbox_name: str, num_experts: int, worker: int, demand: str = "", demand_token: str = ""):
         self.num_experts = num_experts
         self.worker = worker
         self.emitted = 0
         self.errors = 0
         self._mailbox = None
+        self._remote = False
         self._queue: queue.Queue | None = None
+        if mailbox_name and demand:
+            raise ValueError("mailbox_name, demand: expected one demand path, got both")
         if mailbox_name:
             from afore.prefetch.mailbox import DemandMailbox
 
             self._mailbox = DemandMailbox.attach(mailbox_name)
+        elif demand:
+            if not demand_token:
+                raise ValueError("demand_token: expected the demand receiver's shared token (AFORE_DEMAND_TOKEN)")
+            self._mailbox = _RemoteMailbox(demand, demand_token)
+            self._remote = True
 
     @property
     def enabled(self) -> bool:
@@ -63,6 +115,8 @@ class DemandEmitter:
             event = torch.cuda.Event()
             event.record()
             self._background().put((target, seq, host, event))
+        elif self._remote:  # the network never runs on the forward path
+            self._background().put((target, seq, counts, None))
         else:
             self._put(target, seq, counts.numpy())
 
@@ -72,8 +126,8 @@ class DemandEmitter:
             self.emitted += 1
         except Exception as exc:  # the demand path is advisory: serving goes on with primary-only plans
             self.errors += 1
-            if self.errors <= 3:
-                log.warning("afore: demand for %s not delivered: %s", target, exc)
+            if self.errors <= 3 or self.errors % 1000 == 0:
+                log.warning("afore: demand for %s not delivered (%d so far): %s", target, self.errors, exc)
 
     def _background(self) -> queue.Queue:
         if self._queue is None:
@@ -85,5 +139,6 @@ class DemandEmitter:
         assert self._queue is not None
         while True:
             target, seq, host, event = self._queue.get()
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
             self._put(target, seq, host.numpy())

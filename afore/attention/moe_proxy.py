@@ -24,6 +24,7 @@ position, ``seq = (step * L + layer) * M + microbatch``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable
 
@@ -49,7 +50,8 @@ class ForwardCounter:
         if not 0 <= self.worker < cfg.attn_workers:
             raise ValueError(f"data_parallel_rank: expected in [0, {cfg.attn_workers}) (attn_workers), got {self.worker}")
         self._link: TorchLink | None = None
-        self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker)
+        self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker, cfg.demand,
+                                    os.environ.get(role_.DEMAND_TOKEN_ENV, "") if cfg.demand else "")
 
     @property
     def link(self):
@@ -75,7 +77,8 @@ class TorchLink:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         tcfg = TransportConfig(host=cfg.store_host, port=cfg.store_port, num_attention=cfg.attn_workers,
                                num_ffn=cfg.ffn_workers, hidden=cfg.hidden, top_k=cfg.top_k, dtype=dtype,
-                               backend="nccl" if cuda else "gloo", timeout_s=cfg.exchange_timeout_s)
+                               backend="nccl" if cuda else "gloo", timeout_s=cfg.exchange_timeout_s,
+                               store_on_rank0=cfg.store_master)
         self.conn = AttentionConnector(tcfg, worker, device)
         self.dtype = dtype
         self._pending: dict[int, object] = {}

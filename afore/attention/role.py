@@ -14,6 +14,7 @@ import msgspec
 
 ROLE_ENV = "AFORE_ROLE"
 CONFIG_ENV = "AFORE_CONFIG"
+DEMAND_TOKEN_ENV = "AFORE_DEMAND_TOKEN"  # shared secret of the FFN node's demand receiver
 
 
 class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,7 +42,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     dtype: str = "float32"
     device: str = "cpu"           # cpu: gloo; cuda: NCCL (as the FFN workers)
     microbatches: int = 2
-    mailbox: str = ""             # DemandMailbox segment name ("" = no demand path)
+    mailbox: str = ""             # DemandMailbox segment name (attention on the FFN node)
+    demand: str = ""              # "host:port" of the FFN node's demand receiver (attention on
+                                  # another node; token in $AFORE_DEMAND_TOKEN); "" = mailbox
+    store_master: bool = True     # attention worker 0 hosts the store; False: the FFN node does
     exchange_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -65,11 +69,23 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if self.mailbox and self.demand:
+            raise ValueError("mailbox, demand: expected one demand path, got both")
+        if self.demand:
+            split_address(self.demand, "demand")
         if self.exchange_timeout_s <= 0:
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
 
     def to_env(self) -> dict[str, str]:
         return {ROLE_ENV: "attention", CONFIG_ENV: msgspec.json.encode(self).decode()}
+
+
+def split_address(address: str, name: str = "address") -> tuple[str, int]:
+    """("host", port) of "host:port"; ValueError naming ``name`` otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name}: expected 'host:port' with a port in [1, 65535], got {address!r}")
+    return host, int(port)
 
 
 def role() -> str:

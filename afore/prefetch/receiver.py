@@ -175,6 +175,12 @@ class DemandReceiver:
             loop.run_forever()
         finally:
             self._server.close()
+            # end the open connections' handlers before the loop closes under them
+            handlers = asyncio.all_tasks(loop)
+            for task in handlers:
+                task.cancel()
+            if handlers:
+                loop.run_until_complete(asyncio.wait(handlers))
             loop.run_until_complete(self._server.wait_closed())
             loop.close()
 

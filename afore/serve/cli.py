@@ -7,7 +7,7 @@ import logging
 import sys
 
 from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
-from afore.serve.launcher import POLICIES, ServeOptions, serve
+from afore.serve.launcher import POLICIES, ROLES, ServeOptions, serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
+    parser.add_argument("--role", default="all", choices=ROLES,
+                        help="all: everything on this node; ffn / attention: the two halves on two nodes "
+                             "(the FFN node first; both need $AFORE_DEMAND_TOKEN, the same checkpoint and the same A, F)")
+    parser.add_argument("--ffn-host", default="", help="--role attention: the FFN node's address")
+    parser.add_argument("--store-port", type=int, default=None,
+                        help="transport store port (default: any free port with --role all, 29600 with a split role)")
+    parser.add_argument("--demand-port", type=int, default=29601, help="split roles: the FFN node's demand receiver port")
     parser.add_argument("--copy-rate-gbps", type=float, default=DEFAULT_COPY_RATE_GBPS,
                         help="GPU FFN workers: expert copy pull rate while experts compute (0 = full rate; see docs/ffn-side.md)")
     parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
@@ -42,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
                             policy=args.policy, device=args.device, host=args.host, port=args.port,
                             admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
                             redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
+                            role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port,
+                            store_port=(0 if args.role == "all" else 29600) if args.store_port is None else args.store_port,
                             colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
                             enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                             vllm_args=list(args.vllm_arg))

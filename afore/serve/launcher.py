@@ -41,13 +41,14 @@ import urllib.request
 import msgspec
 from tqdm import tqdm
 
-from afore.attention.role import AttentionRoleConfig
+from afore.attention.role import DEMAND_TOKEN_ENV, AttentionRoleConfig
 from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
 
 log = logging.getLogger("afore.serve")
 
+ROLES = ("all", "ffn", "attention")
 POLICIES = ("static", "eplb", "eplb-async", "harmoeny", "lina", "libra", "afore", "afore-no-prefetch", "afore-no-overlap")
 
 
@@ -64,6 +65,10 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     microbatches: int = 2
     redundant_slots: int = 2
     copy_budget: int = 8
+    role: str = "all"               # all: one node; ffn / attention: the two halves on two nodes
+    ffn_host: str = ""              # role attention: the FFN node's address
+    store_port: int = 0             # transport store port (0 = any free port; split roles: fixed)
+    demand_port: int = 29601        # split roles: the FFN node's demand receiver port
     copy_rate_gbps: float = DEFAULT_COPY_RATE_GBPS  # GPU FFN workers: copy pull rate while experts compute; 0 = full rate
     colocate: bool = False
     max_model_len: int = 2048
@@ -93,6 +98,16 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
         if self.copy_budget < 0:
             raise ValueError(f"copy_budget: expected >= 0, got {self.copy_budget}")
+        if self.role not in ROLES:
+            raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role == "attention" and not self.ffn_host:
+            raise ValueError("ffn_host: expected the FFN node's address with --role attention")
+        if self.role != "all" and not 0 < self.store_port < 65536:
+            raise ValueError(f"store_port: expected a fixed port in [1, 65535] with --role {self.role}, got {self.store_port}")
+        if not 0 <= self.store_port < 65536:
+            raise ValueError(f"store_port: expected in [0, 65535], got {self.store_port}")
+        if not 0 < self.demand_port < 65536:
+            raise ValueError(f"demand_port: expected in [1, 65535], got {self.demand_port}")
         if self.copy_rate_gbps < 0:
             raise ValueError(f"copy_rate_gbps: expected >= 0 (0 = full rate), got {self.copy_rate_gbps}")
 
@@ -143,14 +158,17 @@ def serving_dtype(requested: str, config: dict) -> str:
 
 
 def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
-    """Refuse impossible shapes before starting anything (ValueError with the fix)."""
+    """Refuse impossible shapes before starting anything (ValueError with the fix). Each role
+    counts the workers it runs on this node: A + F, F (role ffn) or A (role attention)."""
     if spec.num_experts < opts.ffn_workers:
         raise ValueError(f"ffn_workers: expected at most {spec.num_experts} (the model's experts per layer), got {opts.ffn_workers}")
-    needed = opts.attn_workers + opts.ffn_workers
     if devices < 1:
         raise ValueError(f"device: no {opts.device} device is available")
+    here = {"all": ("attn_workers + ffn_workers", opts.attn_workers + opts.ffn_workers),
+            "ffn": ("ffn_workers", opts.ffn_workers), "attention": ("attn_workers", opts.attn_workers)}
+    name, needed = here[opts.role]
     if needed > devices and not opts.colocate:
-        raise ValueError(f"attn_workers + ffn_workers: {needed} workers need {needed} {opts.device} devices, "
+        raise ValueError(f"{name}: {needed} workers need {needed} {opts.device} devices, "
                          f"{devices} available; pass --colocate to share devices")
 
 
@@ -197,29 +215,49 @@ class Launcher:
         self._lock = threading.RLock()
         self._main_thread = threading.current_thread()
         self._requests: queue.Queue = queue.Queue()
-        self.store_port = 0
+        self.store_port = opts.store_port
+        self.store = None   # role ffn: the transport's TCPStore, hosted here
+        self.token = ""     # split roles: the demand receiver's shared token
 
     # ---- start
     def start(self) -> None:
+        """Start this node's processes: everything (role all), the FFN half (scheduler with its
+        demand receiver, the transport store, F FFN workers) or the attention half (vLLM, once
+        the FFN node's workers are ready)."""
         opts = self.opts
-        steps = tqdm(total=4, desc="afore serve", unit="step", file=sys.stderr)
+        phases = {"all": ["scheduler", "FFN workers", "vLLM"], "ffn": ["scheduler", "FFN workers"],
+                  "attention": ["FFN node", "vLLM"]}[opts.role]
+        steps = tqdm(total=1 + len(phases), desc=f"afore serve ({opts.role})", unit="step", file=sys.stderr)
         try:
             steps.set_postfix_str("model")
+            if opts.role != "all":
+                self.token = os.environ.get(DEMAND_TOKEN_ENV, "")
+                if not self.token:
+                    raise ValueError(f"{DEMAND_TOKEN_ENV}: expected the demand receiver's shared token in the environment "
+                                     f"with --role {opts.role} (the same value on both nodes)")
             self.model = resolve_model(opts)
             self.spec, self.config = read_serving_spec(self.model)
             check_shape(opts, self.spec, device_count(opts.device))
             serving_dtype(opts.dtype, self.config)
             steps.update()
-            steps.set_postfix_str("scheduler")
-            self.start_scheduler(self.policy)
-            steps.update()
-            steps.set_postfix_str(f"{opts.ffn_workers} FFN workers")
-            self.start_ffn_workers()
-            steps.update()
-            steps.set_postfix_str(f"vLLM, {opts.attn_workers} attention workers")
-            self.start_server()
-            self.wait_healthy()
-            steps.update()
+            for phase in phases:
+                steps.set_postfix_str(phase)
+                if phase == "scheduler":
+                    if opts.role == "ffn":
+                        from afore.transport.connector import host_store
+
+                        self.store = host_store(self.store_port, max(opts.start_timeout_s, opts.exchange_timeout_s), opts.host)
+                    self.start_scheduler(self.policy)
+                elif phase == "FFN workers":
+                    self.start_ffn_workers()
+                elif phase == "FFN node":
+                    from afore.transport.connector import wait_for_ffn
+
+                    wait_for_ffn(opts.ffn_host, self.store_port, opts.ffn_workers, opts.start_timeout_s)
+                else:
+                    self.start_server()
+                    self.wait_healthy()
+                steps.update()
         finally:
             steps.close()
         self.start_admin()
@@ -236,10 +274,12 @@ class Launcher:
         from afore.config import SchedulerParams
         from afore.scheduler.service import ServiceConfig, start_scheduler_process
 
+        # role ffn: the attention workers are on another node and send demand to a receiver here
+        listen = f"{self.opts.host}:{self.opts.demand_port}" if self.opts.role == "ffn" else ""
         cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
                             params=SchedulerParams(copy_budget=self.opts.copy_budget),
-                            metrics_port=self.opts.metrics_port or -1)
+                            metrics_port=self.opts.metrics_port or -1, listen=listen, token=self.token if listen else "")
         proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent)
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
@@ -258,21 +298,25 @@ class Launcher:
 
         opts = self.opts
         assert self.spec is not None
-        with socket.socket() as sock:
-            sock.bind((opts.host, 0))
-            self.store_port = sock.getsockname()[1]
+        if not self.store_port:
+            with socket.socket() as sock:
+                sock.bind((opts.host, 0))
+                self.store_port = sock.getsockname()[1]
+        # role ffn: the store is hosted by this process, on every interface
+        store_host = "127.0.0.1" if opts.role == "ffn" and opts.host in ("0.0.0.0", "::", "") else opts.host
+        first_device = opts.attn_workers if opts.role == "all" else 0
         for w in range(opts.ffn_workers):
             # --timeout-s bounds the FFN side's own waits (the rendezvous with a starting vLLM
             # included); a request's latency is bounded on the attention side (exchange_timeout_s)
             cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
-                   "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", opts.host,
+                   "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", store_host,
                    "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
                    "--copy-rate-gbps", str(opts.copy_rate_gbps),
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             if opts.metrics_port:  # the worker serves on --metrics-port + rank
                 cmd += ["--metrics-port", str(opts.metrics_port + 1)]
-            env = {**os.environ, **self._device_env(opts.attn_workers + w)}
+            env = {**os.environ, **self._device_env(first_device + w)}
             self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
         self._check_children("starting FFN workers")
 
@@ -289,13 +333,15 @@ class Launcher:
 
     def start_server(self) -> None:
         assert self.spec is not None
+        split = self.opts.role == "attention"
         role = AttentionRoleConfig(num_experts=self.spec.num_experts, top_k=self.spec.top_k,
                                    attn_workers=self.opts.attn_workers, ffn_workers=self.opts.ffn_workers,
                                    moe_layers=list(self.spec.moe_layer_indices), store_port=self.store_port,
-                                   hidden=self.spec.hidden_size, store_host=self.opts.host,
+                                   hidden=self.spec.hidden_size, store_host=self.opts.ffn_host if split else self.opts.host,
                                    dtype=serving_dtype(self.opts.dtype, self.config), device=self.opts.device,
-                                   microbatches=self.opts.microbatches, mailbox=self.mailbox_name,
-                                   exchange_timeout_s=self.opts.exchange_timeout_s)
+                                   microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
+                                   demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
+                                   store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s)
         env = {**os.environ, **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
@@ -338,13 +384,21 @@ class Launcher:
 
     # ---- admin
     def status(self) -> dict:
-        return {
-            "policy": self.policy,
+        out = {
+            "role": self.opts.role,
+            "policy": self.policy if self.opts.role != "attention" else None,
             "model": self.model,
             "attn_workers": self.opts.attn_workers,
             "ffn_workers": self.opts.ffn_workers,
             "processes": {c.name: {"pid": c.proc.pid, "alive": c.proc.poll() is None} for c in self.children()},
         }
+        if self.store is not None:
+            from afore.transport.connector import ffn_ready_key
+
+            out["ffn_ready"] = sum(bool(self.store.check([ffn_ready_key(w)])) for w in range(self.opts.ffn_workers))
+        if self.opts.role == "attention":
+            out["ffn_node"] = f"{self.opts.ffn_host}:{self.store_port}"
+        return out
 
     def switch_policy(self, policy: str, timeout_s: float = 120.0) -> None:
         """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans.
@@ -354,6 +408,9 @@ class Launcher:
         """
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        if self.opts.role == "attention":
+            raise ValueError(f"policy: the scheduler runs on the FFN node ({self.opts.ffn_host}); "
+                             "switch the policy at that node's admin endpoint")
         if threading.current_thread() is self._main_thread:
             return self._restart_scheduler(policy)
         done: dict = {"event": threading.Event()}
@@ -434,6 +491,11 @@ class Launcher:
             if self.server is not None and self.server.proc.poll() is not None:
                 log.error("afore: vLLM server exited with %s", self.server.proc.returncode)
                 return 1
+            if self.opts.role == "ffn":
+                dead = [c for c in self.ffn if c.proc.poll() is not None]
+                if dead:  # the attention node's exchanges fail now; restart the pair (LWS restarts the group)
+                    log.error("afore: %s exited with %s; stopping the FFN node", dead[0].name, dead[0].proc.returncode)
+                    return 1
             for child in self.children():
                 key = f"{child.name}:{child.proc.pid}"
                 if child.proc.poll() is not None and key not in reported:
@@ -458,6 +520,7 @@ class Launcher:
             _stop(child.proc, 10.0)
         with self._lock:
             self.stop_scheduler()
+        self.store = None
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""
@@ -485,10 +548,16 @@ def serve(opts: ServeOptions) -> int:
     previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         launcher.start()
-        print(f"afore: serving {launcher.model} on http://{opts.host}:{opts.port}/v1 "
-              f"(A={opts.attn_workers}, F={opts.ffn_workers}, policy {launcher.policy})"
-              + (f"; admin on http://{opts.host}:{opts.admin}/afore/status" if opts.admin >= 0 else ""),
-              file=sys.stderr, flush=True)
+        admin = f"; admin on http://{opts.host}:{opts.admin}/afore/status" if opts.admin >= 0 else ""
+        if opts.role == "ffn":
+            print(f"afore: FFN node of {launcher.model} up (F={opts.ffn_workers}, policy {launcher.policy}): transport store "
+                  f"on port {launcher.store_port}, demand receiver on port {opts.demand_port}; waiting for the attention "
+                  f"node (A={opts.attn_workers}){admin}", file=sys.stderr, flush=True)
+        else:
+            print(f"afore: serving {launcher.model} on http://{opts.host}:{opts.port}/v1 "
+                  f"(A={opts.attn_workers}, F={opts.ffn_workers}"
+                  + (f", FFN node {opts.ffn_host}" if opts.role == "attention" else f", policy {launcher.policy}") + ")"
+                  + admin, file=sys.stderr, flush=True)
         return launcher.supervise()
     finally:
         launcher.shutdown()

@@ -74,6 +74,8 @@ class TransportConfig:
     timeout_s: float = 300.0
     depth: int = 2          # targets the FFN side may hold ahead (>= 2: the lookahead window)
     max_tokens: int = 1 << 20
+    store_on_rank0: bool = True  # attention rank 0 hosts the TCPStore; False: it runs elsewhere
+                                 # (``afore serve --role ffn`` hosts it), every rank is a client
 
     def __post_init__(self) -> None:
         for name in ("num_attention", "num_ffn", "hidden", "top_k", "depth", "max_tokens"):
@@ -116,8 +118,42 @@ class _Pending:
 
 
 def _store(cfg: TransportConfig, rank: int) -> dist.TCPStore:
-    return dist.TCPStore(cfg.host, cfg.port, world_size=None, is_master=rank == 0,
+    return dist.TCPStore(cfg.host, cfg.port, world_size=None, is_master=cfg.store_on_rank0 and rank == 0,
                          timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+
+
+def ffn_ready_key(ffn_rank: int) -> str:
+    """Store key an FFN worker sets once its experts are loaded, just before it joins the groups."""
+    return f"afore/transport/ffn-ready/{ffn_rank}"
+
+
+def wait_for_ffn(host: str, port: int, num_ffn: int, timeout_s: float) -> None:
+    """Block until all ``num_ffn`` FFN workers behind the store at host:port have loaded their
+    experts (``afore serve --role attention`` waits so before it starts vLLM); TimeoutError after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    store = None
+    while store is None:
+        try:
+            store = dist.TCPStore(host, port, world_size=None, is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=max(1.0, min(10.0, deadline - time.monotonic()))))
+        except (RuntimeError, OSError) as exc:  # the FFN node is not listening yet
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"transport store {host}:{port} unreachable after {timeout_s:.0f} s: {exc}") from exc
+            time.sleep(1.0)
+    keys = [ffn_ready_key(w) for w in range(num_ffn)]
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            ready = sum(store.check([k]) for k in keys)
+            raise TimeoutError(f"{ready} of {num_ffn} FFN workers ready at {host}:{port} after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def host_store(port: int, timeout_s: float = 300.0, host: str = "0.0.0.0") -> dist.TCPStore:
+    """A TCPStore server for a transport whose ranks are all clients (``store_on_rank0=False``);
+    keep the returned object alive as long as the ranks may connect."""
+    return dist.TCPStore(host, port, world_size=None, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 # The FFN side waits for the next request on the control group for as long as the server is idle:
@@ -270,6 +306,7 @@ class FFNConnector:
         self.device = torch.device(device)
         self.wire = torch.device("cpu") if cfg.backend == "gloo" else self.device
         self.store = _store(cfg, self.rank)
+        self.store.set(ffn_ready_key(ffn_rank), "1")  # loaded and joining: the attention side may start
         self.a2f = _group(cfg, self.store, "a2f", self.rank, cfg.world_size, self.device)
         self.f2a = _group(cfg, self.store, "f2a", self.rank, cfg.world_size, self.device)
         self.ffn = _group(cfg, self.store, "ffn", ffn_rank, cfg.num_ffn, self.device)

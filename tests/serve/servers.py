@@ -69,11 +69,12 @@ def base_env() -> dict[str, str]:
 class Server:
     """A server subprocess in its own process group, stopped with SIGTERM (then SIGKILL)."""
 
-    def __init__(self, cmd: list[str], port: int, log_path: str, start_timeout_s: float = 600.0):
+    def __init__(self, cmd: list[str], port: int, log_path: str, start_timeout_s: float = 600.0,
+                 env: dict[str, str] | None = None):
         self.cmd, self.port, self.log_path = cmd, port, log_path
         self.log = open(log_path, "w")
         # a server dies with the test process, even one killed before its fixtures' teardown
-        self.proc = subprocess.Popen(cmd, env=base_env(), stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env={**base_env(), **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + start_timeout_s
         while True:
@@ -86,6 +87,8 @@ class Server:
                 return
             time.sleep(1.0)
 
+    health_path: str | None = "/health"  # None: no HTTP health endpoint (ready() decides)
+
     def ready(self) -> bool:
         return True
 
@@ -94,8 +97,10 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def health(self) -> int:
+        if self.health_path is None:
+            return 200
         try:
-            return http("GET", self.url + "/health", timeout=5)[0]
+            return http("GET", self.url + self.health_path, timeout=5)[0]
         except (urllib.error.URLError, OSError):
             return 0
 
@@ -165,6 +170,59 @@ class AforeServer(Server):
 
     def set_policy(self, name: str) -> tuple[int, dict | str]:
         return http("POST", self.admin + "/afore/policy", {"policy": name}, timeout=120)
+
+
+SPLIT_TOKEN = "afore-test-token"
+
+
+class FfnNode(Server):
+    """``afore serve --role ffn``: scheduler with its demand receiver, transport store, FFN workers.
+    Ready once its admin endpoint reports every FFN worker loaded; it has no API of its own."""
+
+    health_path = None
+
+    def __init__(self, model: str, log_path: str, attn_workers: int = 1, ffn_workers: int = 2, policy: str = "afore"):
+        self.store_port, self.demand_port, self.admin_port, self.metrics_port = free_port(), free_port(), free_port(), free_port_pair(1 + ffn_workers)
+        self.ffn_workers = ffn_workers
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--model", model, "--attn-workers", str(attn_workers),
+               "--ffn-workers", str(ffn_workers), "--policy", policy, "--colocate", "--dtype", "float32",
+               "--store-port", str(self.store_port), "--demand-port", str(self.demand_port),
+               "--admin-port", str(self.admin_port), "--metrics-port", str(self.metrics_port)]
+        super().__init__(cmd, self.admin_port, log_path, env={"AFORE_DEMAND_TOKEN": SPLIT_TOKEN})
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def ready(self) -> bool:
+        try:
+            code, out = http("GET", self.admin + "/afore/status", timeout=5)
+        except (urllib.error.URLError, OSError):
+            return False
+        return code == 200 and out.get("ffn_ready") == self.ffn_workers
+
+    def metrics(self, port: int) -> dict[str, float]:
+        """Prometheus samples of the endpoint on ``port`` (the scheduler: metrics_port)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+
+class AttentionNode(AforeServer):
+    """``afore serve --role attention`` against an ``FfnNode``: vLLM only; demand over TCP."""
+
+    def __init__(self, ffn: FfnNode, model: str, log_path: str, attn_workers: int = 1):
+        port = free_port_pair()
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "attention", "--ffn-host", "127.0.0.1",
+               "--model", model, "--attn-workers", str(attn_workers), "--ffn-workers", str(ffn.ffn_workers),
+               "--store-port", str(ffn.store_port), "--demand-port", str(ffn.demand_port), "--port", str(port),
+               "--colocate", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
+        Server.__init__(self, cmd, port, log_path, env={"AFORE_DEMAND_TOKEN": SPLIT_TOKEN})
 
 
 class PlainServer(Server):

@@ -220,3 +220,41 @@ def test_metrics_port_range_checked():
         ServeOptions(metrics_port=65535, ffn_workers=2)  # FFN workers would need ports past 65535
     with pytest.raises(ValueError, match="metrics_port"):
         ServeOptions(metrics_port=-3)
+
+
+def test_split_roles_are_checked_before_anything_starts():
+    with pytest.raises(ValueError, match="ffn_host"):
+        ServeOptions(role="attention", store_port=29600)
+    with pytest.raises(ValueError, match="store_port"):
+        ServeOptions(role="ffn", store_port=0)
+    with pytest.raises(ValueError, match="role"):
+        ServeOptions(role="both")
+    with pytest.raises(ValueError, match="demand_port"):
+        ServeOptions(role="ffn", store_port=29600, demand_port=70000)
+    info, _ = read_serving_spec(tiny("qwen3_moe"))
+    # each role counts only the workers of its own node
+    check_shape(ServeOptions(role="ffn", store_port=29600, attn_workers=4, ffn_workers=2), info, devices=2)
+    check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=2, ffn_workers=8), info, devices=2)
+    with pytest.raises(ValueError, match="ffn_workers: 3 workers"):
+        check_shape(ServeOptions(role="ffn", store_port=29600, attn_workers=1, ffn_workers=3), info, devices=2)
+    with pytest.raises(ValueError, match="attn_workers: 3 workers"):
+        check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=3), info, devices=2)
+
+
+def test_split_role_without_a_token_exits_2_naming_the_variable():
+    env = {k: v for k, v in __import__("os").environ.items() if k != "AFORE_DEMAND_TOKEN"}
+    out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--colocate"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "AFORE_DEMAND_TOKEN" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--role", "attention", "--colocate"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "ffn_host" in out.stderr
+
+
+def test_role_config_takes_one_demand_path():
+    base = dict(num_experts=8, top_k=2, attn_workers=1, ffn_workers=2, moe_layers=[1], store_port=29600, hidden=16)
+    with pytest.raises(ValueError, match="one demand path"):
+        AttentionRoleConfig(**base, mailbox="m", demand="h:1")
+    with pytest.raises(ValueError, match="demand"):
+        AttentionRoleConfig(**base, demand="no-port")
+    AttentionRoleConfig(**base, demand="ffn-0.afore:29601", store_master=False)
