@@ -9,6 +9,8 @@ import sys
 from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
 from afore.serve.launcher import POLICIES, ROLES, ServeOptions, serve
 
+SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="Hugging Face MoE checkpoint directory (default: the built-in tiny Qwen3-MoE, built once under ~/.cache/afore)")
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the FFN node first; both need $AFORE_DEMAND_TOKEN, the same checkpoint and the same A, F)")
     parser.add_argument("--ffn-host", default="", help="--role attention: the FFN node's address")
     parser.add_argument("--store-port", type=int, default=None,
-                        help="transport store port (default: any free port with --role all, 29600 with a split role)")
+                        help=f"transport store port (default: any free port with --role all, {SPLIT_STORE_PORT} with a split role)")
     parser.add_argument("--demand-port", type=int, default=29601, help="split roles: the FFN node's demand receiver port")
     parser.add_argument("--copy-rate-gbps", type=float, default=DEFAULT_COPY_RATE_GBPS,
                         help="GPU FFN workers: expert copy pull rate while experts compute (0 = full rate; see docs/ffn-side.md)")
@@ -42,19 +44,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", help="extra argument passed to vLLM's server (repeatable)")
 
 
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """The ServeOptions of parsed ``afore serve`` arguments (ValueError on a bad field)."""
+    store_port = args.store_port if args.store_port is not None else (0 if args.role == "all" else SPLIT_STORE_PORT)
+    return ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
+                        policy=args.policy, device=args.device, host=args.host, port=args.port,
+                        admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
+                        redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
+                        role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
+                        colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
+                        enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
+                        vllm_args=list(args.vllm_arg))
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        opts = ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
-                            policy=args.policy, device=args.device, host=args.host, port=args.port,
-                            admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
-                            redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
-                            role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port,
-                            store_port=(0 if args.role == "all" else 29600) if args.store_port is None else args.store_port,
-                            colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
-                            enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
-                            vllm_args=list(args.vllm_arg))
-        return serve(opts)
+        return serve(options_from_args(args))
     except (ValueError, RuntimeError, TimeoutError) as exc:
         print(f"afore serve: {exc}", file=sys.stderr)
         return 2

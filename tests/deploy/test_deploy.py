@@ -156,14 +156,11 @@ def serve_args(lws: dict, docs: list[dict], index: int = 0) -> argparse.Namespac
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
-    """The ServeOptions `afore serve` builds from these arguments (afore.serve.cli.run, with its
-    store port default; ServeOptions' own validation runs)."""
-    renamed = {"start_timeout_s": "start_timeout", "vllm_args": "vllm_arg"}
-    fields = {f: getattr(args, renamed.get(f, f)) for f in ServeOptions.__struct_fields__
-              if hasattr(args, renamed.get(f, f))}
-    if fields.get("store_port") is None:
-        fields["store_port"] = 0 if args.role == "all" else 29600
-    return ServeOptions(**fields)
+    """The ServeOptions `afore serve` builds from these arguments (its own construction, defaults
+    and validation)."""
+    from afore.serve.cli import options_from_args
+
+    return options_from_args(args)
 
 
 def pod_options(lws: dict, docs: list[dict], index: int = 0) -> ServeOptions:
