@@ -56,3 +56,22 @@ def test_topk_sampling_follows_probabilities():
 def test_bad_spec(kw, field):
     with pytest.raises(ValueError, match=field):
         SyntheticSpec(**kw)
+
+
+def test_cli_output_into_a_reader_that_closes_early_is_not_an_error(tmp_path):
+    """`afore trace info X | head -1`: exit 0, no traceback, when the pipe closes under it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.npz"
+    # 4000 layers: ~90 KB of per-layer lines, more than a pipe holds, so writes follow the close
+    subprocess.run([sys.executable, "-m", "afore.cli", "trace", "synth", "--steps", "2", "--num-layers", "4000",
+                    "--microbatches", "1", "--num-experts", "16", "--top-k", "2", "--out", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    proc = subprocess.Popen([sys.executable, "-m", "afore.cli", "trace", "info", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away with thousands of lines still to print
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and first.startswith(b"model:")
+    assert "Traceback" not in err and "BrokenPipe" not in err
