@@ -15,6 +15,10 @@ import functools
 import msgspec
 import numpy as np
 
+#: Environment variable holding the demand receiver's shared token (``afore serve --role ffn``
+#: and ``--role attention``; the scheduler reads it when its config carries no token).
+DEMAND_TOKEN_ENV = "AFORE_DEMAND_TOKEN"
+
 
 class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The FFN pool's shape for one model.

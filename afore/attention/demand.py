@@ -46,12 +46,13 @@ class _RemoteMailbox:
     """A DemandClient that connects on first use and again after a failure (at most once per
     ``retry_s``); ``put`` raises ConnectionError while it has no connection."""
 
-    def __init__(self, address: str, token: str, retry_s: float = 1.0) -> None:
+    def __init__(self, address: str, token: str, retry_s: float = 1.0, connect_timeout_s: float = 2.0) -> None:
         from afore.attention.role import split_address
 
         self.host, self.port = split_address(address, "demand")
         self.token = token
         self.retry_s = retry_s
+        self.connect_timeout_s = connect_timeout_s
         self._client = None
         self._next_try = 0.0
 
@@ -59,15 +60,20 @@ class _RemoteMailbox:
         from afore.prefetch.receiver import DemandClient
 
         if self._client is None:
-            now = time.monotonic()
-            if now < self._next_try:
+            if time.monotonic() < self._next_try:
                 raise ConnectionError(f"demand receiver {self.host}:{self.port}: not connected (retrying)")
-            self._next_try = now + self.retry_s
-            self._client = DemandClient(self.host, self.port, self.token)
+            try:
+                self._client = DemandClient(self.host, self.port, self.token, timeout_s=self.connect_timeout_s)
+            except (OSError, ConnectionError, ValueError):
+                # counted from the end of the attempt: a connect that hangs until its timeout
+                # must not be retried at once
+                self._next_try = time.monotonic() + self.retry_s
+                raise
         try:
             self._client.put(target, worker, counts)
         except (OSError, ConnectionError):
             self.close()
+            self._next_try = time.monotonic() + self.retry_s
             raise
 
     def close(self) -> None:
@@ -79,6 +85,10 @@ class _RemoteMailbox:
 class DemandEmitter:
     """Puts d[t, a] for every target of this attention worker into the mailbox, or sends it to
     the FFN node's demand receiver (``demand`` = "host:port", token ``demand_token``)."""
+
+    #: reports waiting for the background thread at most; beyond it new ones are dropped
+    #: (counted in ``errors``): late demand is useless to the scheduler anyway
+    MAX_QUEUED = 1024
 
     def __init__(self, mailbox_name: str, num_experts: int, worker: int, demand: str = "", demand_token: str = ""):
         self.num_experts = num_experts
@@ -114,9 +124,9 @@ class DemandEmitter:
             host.copy_(counts, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._background().put((target, seq, host, event))
+            self._enqueue((target, seq, host, event))
         elif self._remote:  # the network never runs on the forward path
-            self._background().put((target, seq, counts, None))
+            self._enqueue((target, seq, counts, None))
         else:
             self._put(target, seq, counts.numpy())
 
@@ -129,9 +139,17 @@ class DemandEmitter:
             if self.errors <= 3 or self.errors % 1000 == 0:
                 log.warning("afore: demand for %s not delivered (%d so far): %s", target, self.errors, exc)
 
+    def _enqueue(self, item: tuple) -> None:
+        try:
+            self._background().put_nowait(item)
+        except queue.Full:
+            self.errors += 1
+            if self.errors <= 3 or self.errors % 1000 == 0:
+                log.warning("afore: demand for %s dropped: %d reports already wait for delivery", item[0], self.MAX_QUEUED)
+
     def _background(self) -> queue.Queue:
         if self._queue is None:
-            self._queue = queue.Queue()
+            self._queue = queue.Queue(maxsize=self.MAX_QUEUED)
             threading.Thread(target=self._drain, name="afore-demand", daemon=True).start()
         return self._queue
 

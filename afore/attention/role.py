@@ -12,9 +12,11 @@ import os
 
 import msgspec
 
+from afore import config
+
 ROLE_ENV = "AFORE_ROLE"
 CONFIG_ENV = "AFORE_CONFIG"
-DEMAND_TOKEN_ENV = "AFORE_DEMAND_TOKEN"  # shared secret of the FFN node's demand receiver
+DEMAND_TOKEN_ENV = config.DEMAND_TOKEN_ENV  # shared secret of the FFN node's demand receiver
 
 
 class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -83,8 +85,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
 def split_address(address: str, name: str = "address") -> tuple[str, int]:
     """("host", port) of "host:port"; ValueError naming ``name`` otherwise."""
     host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # [IPv6]:port
+        host = host[1:-1]
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{name}: expected 'host:port' with a port in [1, 65535], got {address!r}")
+        raise ValueError(f"{name}: expected 'host:port' (IPv6: '[addr]:port') with a port in [1, 65535], got {address!r}")
     return host, int(port)
 
 

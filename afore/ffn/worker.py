@@ -83,8 +83,10 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.backend not in ("", "gloo", "nccl"):
             raise ValueError(f"backend: expected '', 'gloo' or 'nccl', got {self.backend!r}")
-        if self.plan_timeout_ms < 0 or self.copy_delay_ms < 0 or self.copy_rate_gbps < 0:
-            raise ValueError("plan_timeout_ms / copy_delay_ms / copy_rate_gbps: expected >= 0")
+        for name in ("plan_timeout_ms", "copy_delay_ms", "copy_rate_gbps"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
         if self.depth < 2:
             raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
 
@@ -272,9 +274,19 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+def run_and_exit(cfg: FFNWorkerConfig) -> None:
+    """Process body of a worker: serve, then ``exit_process`` on every path (an error is logged
+    with its traceback and exits 1)."""
+    try:
+        code = serve_worker(cfg)
+    except BaseException:  # noqa: BLE001 - anything: the process ends here either way
+        log.exception("FFN worker %d failed", cfg.rank)
+        code = 1
+    exit_process(code)
+
+
 def _process_main(cfg_bytes: bytes) -> None:
-    cfg = msgspec.json.decode(cfg_bytes, type=FFNWorkerConfig)
-    exit_process(serve_worker(cfg))
+    run_and_exit(msgspec.json.decode(cfg_bytes, type=FFNWorkerConfig))
 
 
 def start_ffn_workers(configs: list[FFNWorkerConfig]) -> list[mp.Process]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from afore.ffn.worker import DTYPES, FFNWorkerConfig, exit_process, serve_worker
+from afore.ffn.worker import DTYPES, FFNWorkerConfig, run_and_exit
 from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
 
 
@@ -36,5 +36,5 @@ def run(args: argparse.Namespace) -> int:
                           host=args.host, port=args.port, device=args.device, dtype=args.dtype, backend=args.backend,
                           redundant_slots=args.redundant_slots, m_tile=args.m_tile, plan_ring=args.plan_ring,
                           plan_timeout_ms=args.plan_timeout_ms, copy_rate_gbps=args.copy_rate_gbps, metrics_port=args.metrics_port, timeout_s=args.timeout_s)
-    exit_process(serve_worker(cfg))
+    run_and_exit(cfg)
     return 0  # not reached

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from afore.migrator.pacing import copy_rate, gap_us, split_chunks
+from afore.migrator.pacing import copy_rate, plan_paced
 
 
 @dataclasses.dataclass
@@ -330,7 +330,7 @@ class CudaCopyEngine:
 
     def __init__(self, device: torch.device | int | str, use_driver: bool = True, streams: int = 2,
                  batch_api: bool = True, max_gbps: float | None = None, link_gbps: float = DEFAULT_LINK_GBPS,
-                 chunk_bytes: int = 4 << 20) -> None:
+                 chunk_bytes: int = 4 << 20, max_chunks: int = 16) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"device: expected a CUDA device, got {self.device}")
@@ -342,6 +342,8 @@ class CudaCopyEngine:
             raise ValueError(f"link_gbps: expected > 0, got {link_gbps}")
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes: expected >= 1, got {chunk_bytes}")
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks: expected >= 1, got {max_chunks}")
         self.stream = torch.cuda.Stream(device=self.device)
         # Extra side streams spread a batch over several copy engines when there is no batch
         # call, hiding part of the per-transfer start-up cost.
@@ -357,10 +359,12 @@ class CudaCopyEngine:
         self.max_gbps = max_gbps or None
         self.link_gbps = float(link_gbps)
         self.chunk_bytes = int(chunk_bytes)
+        self.max_chunks = int(max_chunks)
+        self._busy_until = 0.0  # host clock: when the side stream's paced work is expected to end
         self._peers_enabled: set[int] = set()
         self._ns_per_cycle: float | None = None
         self.chunk_overhead_us = CHUNK_OVERHEAD_US
-        self._paced_batches: collections.deque = collections.deque(maxlen=64)  # (batch, chunks, planned us)
+        self._paced_batches: collections.deque = collections.deque(maxlen=64)  # (batch, chunks, planned us, overhead us)
         if self.max_gbps is not None and self._driver is not None and hasattr(torch.cuda, "_sleep"):
             self._ns_per_cycle = self._calibrate_sleep()
 
@@ -413,7 +417,17 @@ class CudaCopyEngine:
         finish within ``deadline_ms`` of starting if given (see ``afore.migrator.pacing``)."""
         transfers = [t for job in jobs for t in _transfers(job)] if self._driver is not None else []
         nbytes = sum(job.nbytes for job in jobs)
-        rate = copy_rate(nbytes, self.max_gbps, deadline_ms, self.link_gbps) if self.paces else None
+        rate = None
+        if self.paces and transfers:
+            # the deadline counts from now, but this batch starts after what the side stream
+            # still has booked; keep one chunk's overhead in hand
+            now = time.monotonic()
+            budget = None
+            if deadline_ms is not None:
+                budget = deadline_ms - max(0.0, self._busy_until - now) * 1e3 - self.chunk_overhead_us * 1e-3
+            rate = copy_rate(nbytes, self.max_gbps, budget, self.link_gbps)
+            if budget is not None and budget <= 0:
+                rate = None
         batch = _CudaBatch()
         batch.rate_gbps = rate
         launch = None
@@ -432,37 +446,43 @@ class CudaCopyEngine:
                 pass
             elif rate is not None:
                 self._learn_overhead()
+                estimate = self.chunk_overhead_us
                 chunks, planned_us = self._paced(transfers, rate)
-                self._paced_batches.append((batch, chunks, planned_us))
+                self._paced_batches.append((batch, chunks, planned_us, estimate))
+                self._book(planned_us)
             elif launch is not None:
                 launch(self.stream)
+                self._book(nbytes / (self.link_gbps * 1e3))
             else:
                 self._lanes_copy(transfers)
+                self._book(nbytes / (self.link_gbps * 1e3))
             batch.end.record(self.stream)
         return batch
 
+    def _book(self, duration_us: float) -> None:
+        if self.paces:
+            self._busy_until = max(time.monotonic(), self._busy_until) + duration_us * 1e-6
+
     def _paced(self, transfers: list[_Transfer], rate: float) -> tuple[int, float]:
-        """Chunks with a GPU sleep after each; returns (chunks, planned time in us)."""
-        chunks = split_chunks([t.nbytes for t in transfers], self.chunk_bytes)
-        planned = 0.0
-        for chunk in chunks:
-            size = 0
-            for index, offset, length in chunk:
+        """The batch as ``plan_paced`` cuts it: a driver call per piece, a GPU sleep after every
+        chunk but the last; returns (chunks, planned time in us)."""
+        plan = plan_paced([t.nbytes for t in transfers], rate, self.link_gbps, self.chunk_bytes,
+                          self.max_chunks, self.chunk_overhead_us)
+        for pieces, gap in zip(plan.chunks, plan.gaps_us):
+            for index, offset, length in pieces:
                 t = transfers[index]
                 self._driver.copy(t.dst + offset, t.src + offset, length, self.stream)
-                size += length
-            gap = max(0.0, gap_us(size, rate, self.link_gbps) - self.chunk_overhead_us)
             if gap > 0:
                 torch.cuda._sleep(max(1, int(gap * 1e3 / self._ns_per_cycle)))
-            planned += size / (self.link_gbps * 1e3) + gap
-        return len(chunks), planned
+        return len(plan.chunks), plan.duration_us
 
     def _learn_overhead(self) -> None:
         """Update the per-chunk overhead from paced batches that have completed (no waiting)."""
         while self._paced_batches and self._paced_batches[0][0].end.query():
-            batch, chunks, planned = self._paced_batches.popleft()
+            batch, chunks, planned, estimate = self._paced_batches.popleft()
+            # planned holds ``estimate`` per chunk: the difference is the estimate's error
             measured = batch.start.elapsed_time(batch.end) * 1e3
-            per_chunk = min(max((measured - planned) / chunks, 0.0), 1000.0)
+            per_chunk = min(max(estimate + (measured - planned) / chunks, 0.0), 1000.0)
             self.chunk_overhead_us = 0.5 * self.chunk_overhead_us + 0.5 * per_chunk
 
     def _lanes_copy(self, transfers: list[_Transfer]) -> None:

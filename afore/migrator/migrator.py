@@ -249,7 +249,8 @@ class Migrator:
             ready = [c for c in other.deferred if not self._earlier_readers(layer, c[2], later)]
             if ready:
                 other.deferred = [c for c in other.deferred if c not in ready]
-                other.batches.append(self._submit(layer, ready))
+                # its target may commit next: no pacing
+                other.batches.append(self._submit(layer, ready, deadline_ms=0.0))
         self._resolve()
 
     def _earlier_readers(self, layer: int, slot: int, seq: int) -> bool:
@@ -260,7 +261,8 @@ class Migrator:
         if plan.seq in self.prepared:
             self.release(plan)
 
-    def _submit(self, layer: int, copies: list[tuple[int, int, int]]) -> CopyBatch:
+    def _submit(self, layer: int, copies: list[tuple[int, int, int]], deadline_ms: float | None = -1.0) -> CopyBatch:
+        """``deadline_ms``: -1 = from the measured windows (``copy_deadline_ms``)."""
         pool = self.pools[layer]
         jobs, after = [], []
         for ex, src, s in copies:
@@ -270,7 +272,9 @@ class Migrator:
             fence = self.last_read[layer][r]
             if fence is not None and fence not in after:
                 after.append(fence)
-        batch = self.engine.submit(jobs, after, deadline_ms=self.copy_deadline_ms())
+        if deadline_ms is not None and deadline_ms < 0:
+            deadline_ms = self.copy_deadline_ms()
+        batch = self.engine.submit(jobs, after, deadline_ms=deadline_ms)
         for ex, _, s in copies:
             pool.resident[s] = ex
             self.pending[layer][s - self.num_primaries] = batch

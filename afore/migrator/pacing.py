@@ -10,12 +10,17 @@ The rule (``copy_rate``): copy at ``cap_gbps``, unless the batch would then not 
 the deadline, and at full rate if even that is above the link. So pacing never turns a copy
 that fits the window at full rate into an exposed wait, as long as the window estimate holds.
 
-A paced batch is cut into chunks of ``chunk_bytes`` (``split_chunks``); after each chunk the
-side stream idles ``gap_us`` (a GPU sleep kernel, never a host wait), so the average rate is
-the chosen one.
+A paced batch is cut into at most ``max_chunks`` chunks of at least ``chunk_bytes``
+(``plan_paced``; the cap bounds the host work of one batch: a driver call and a sleep-kernel
+launch per chunk); after every chunk but the last the side stream idles (a GPU sleep kernel,
+never a host wait), so the average rate is the chosen one. ``duration_us`` is the plan's
+expected length, which the engine uses to know how far its side stream is booked ahead.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 
 def copy_rate(nbytes: int, cap_gbps: float | None, deadline_ms: float | None, link_gbps: float) -> float | None:
@@ -67,3 +72,32 @@ def split_chunks(sizes: list[int], chunk_bytes: int) -> list[list[tuple[int, int
     if current:
         chunks.append(current)
     return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class PacedPlan:
+    """Chunks (pieces as in ``split_chunks``), the idle time after each (0 after the last), and
+    the expected duration: transfers at link rate, ``overhead_us`` per chunk, the gaps."""
+
+    chunks: list[list[tuple[int, int, int]]]
+    gaps_us: list[float]
+    duration_us: float
+
+
+def plan_paced(sizes: list[int], rate_gbps: float, link_gbps: float, chunk_bytes: int,
+               max_chunks: int, overhead_us: float) -> PacedPlan:
+    """How to send transfers of ``sizes`` bytes at ``rate_gbps`` on average."""
+    if max_chunks < 1:
+        raise ValueError(f"max_chunks: expected >= 1, got {max_chunks}")
+    if not overhead_us >= 0:
+        raise ValueError(f"overhead_us: expected >= 0, got {overhead_us}")
+    total = sum(sizes)
+    chunk = max(chunk_bytes, math.ceil(total / max_chunks)) if total else chunk_bytes
+    chunks = split_chunks(sizes, chunk)
+    gaps, duration = [], 0.0
+    for i, pieces in enumerate(chunks):
+        size = sum(p[2] for p in pieces)
+        gap = max(0.0, gap_us(size, rate_gbps, link_gbps) - overhead_us) if i < len(chunks) - 1 else 0.0
+        gaps.append(gap)
+        duration += size / (link_gbps * 1e3) + overhead_us + gap
+    return PacedPlan(chunks, gaps, duration)

@@ -132,6 +132,8 @@ class DemandReceiver:
                 self._deliver(body)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass
+        except asyncio.CancelledError:  # stop(): end quietly, the loop is closing
+            pass
         finally:
             writer.close()
 

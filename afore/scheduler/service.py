@@ -13,6 +13,7 @@ alone with ``afore scheduler``.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import time
 import msgspec
 
 from afore import _shm
-from afore.config import ClusterShape, CostModel, SchedulerParams
+from afore.config import DEMAND_TOKEN_ENV, ClusterShape, CostModel, SchedulerParams
 from afore.prefetch.mailbox import DemandMailbox
 from afore.prefetch.receiver import DemandReceiver
 from afore.scheduler.metrics import SchedulerMetrics
@@ -38,7 +39,8 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     Names are /dev/shm segment names. ``deadline_ms``: a target still incomplete this long after
     its first demand report gets no plan. ``listen``: "host:port" of the demand receiver for
-    remote attention workers ("" = none; needs ``token``). ``metrics_port``: Prometheus HTTP
+    remote attention workers ("" = none; needs ``token``, or $AFORE_DEMAND_TOKEN when it is empty,
+    which keeps the secret off the command line). ``metrics_port``: Prometheus HTTP
     port (-1 = off, 0 = any free port). ``spin_us``: busy-poll the mailbox this long before
     sleeping (lower latency, costs a core).
     """
@@ -70,8 +72,8 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"deadline_ms: expected >= 0, got {self.deadline_ms}")
         if not self.spin_us >= 0:
             raise ValueError(f"spin_us: expected >= 0, got {self.spin_us}")
-        if self.listen and not self.token:
-            raise ValueError("token: expected a shared token when listen is set")
+        if self.listen and not (self.token or os.environ.get(DEMAND_TOKEN_ENV)):
+            raise ValueError(f"token: expected a shared token when listen is set (or ${DEMAND_TOKEN_ENV})")
         if self.listen and ":" not in self.listen:
             raise ValueError(f"listen: expected host:port, got {self.listen!r}")
         if self.mailbox == self.ring:
@@ -120,7 +122,7 @@ class SchedulerService:
         if c.listen:
             host, port = c.listen.rsplit(":", 1)
             self._receiver_mailbox = DemandMailbox.attach(c.mailbox)
-            self.receiver = DemandReceiver(self._receiver_mailbox, c.token, host, int(port),
+            self.receiver = DemandReceiver(self._receiver_mailbox, c.token or os.environ.get(DEMAND_TOKEN_ENV, ""), host, int(port),
                                            on_outcome=lambda o: self.metrics.receiver_messages.labels(o).inc())
             self.receiver.start()
 

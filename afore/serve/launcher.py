@@ -28,6 +28,7 @@ import dataclasses
 import http.server
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -108,6 +109,19 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"store_port: expected in [0, 65535], got {self.store_port}")
         if not 0 < self.demand_port < 65536:
             raise ValueError(f"demand_port: expected in [1, 65535], got {self.demand_port}")
+        if self.role == "ffn" and self.host in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"host: the FFN node must listen where the attention node can reach it, got the loopback "
+                             f"address {self.host!r}; pass --host 0.0.0.0 (or this node's address)")
+        if self.role != "all":
+            mine = {"store_port": self.store_port, "demand_port": self.demand_port}
+            if self.role == "attention":
+                mine = {"port": self.port, **({"admin_port": self.admin} if self.admin >= 0 else {})}
+            elif self.admin >= 0:
+                mine["admin_port"] = self.admin
+            if len(set(mine.values())) < len(mine):
+                raise ValueError(f"ports: expected distinct ports on this node, got {mine}")
+        if not math.isfinite(self.copy_rate_gbps):
+            raise ValueError(f"copy_rate_gbps: expected a finite number, got {self.copy_rate_gbps}")
         if self.copy_rate_gbps < 0:
             raise ValueError(f"copy_rate_gbps: expected >= 0 (0 = full rate), got {self.copy_rate_gbps}")
 
@@ -246,7 +260,7 @@ class Launcher:
                     if opts.role == "ffn":
                         from afore.transport.connector import host_store
 
-                        self.store = host_store(self.store_port, max(opts.start_timeout_s, opts.exchange_timeout_s), opts.host)
+                        self.store = host_store(self.store_port, max(opts.start_timeout_s, opts.exchange_timeout_s))
                     self.start_scheduler(self.policy)
                 elif phase == "FFN workers":
                     self.start_ffn_workers()
@@ -279,16 +293,39 @@ class Launcher:
         cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
                             params=SchedulerParams(copy_budget=self.opts.copy_budget),
-                            metrics_port=self.opts.metrics_port or -1, listen=listen, token=self.token if listen else "")
+                            metrics_port=self.opts.metrics_port or -1, listen=listen)  # token: from the environment
         proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent)
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
+        if listen:
+            self._wait_for_receiver(proc)
 
-    def _device_env(self, index: int) -> dict[str, str]:
+    def _wait_for_receiver(self, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+        """Role ffn: the scheduler binds its demand receiver after its segments are up; wait for it
+        to accept connections, so a port already in use fails the start, not the first request."""
+        import socket
+
+        host = "127.0.0.1" if self.opts.host in ("0.0.0.0", "::", "") else self.opts.host
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"scheduler exited with {proc.returncode} while starting its demand receiver "
+                                   f"on port {self.opts.demand_port} (in use?)")
+            try:
+                with socket.create_connection((host, self.opts.demand_port), timeout=1.0):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"demand receiver on port {self.opts.demand_port} not listening after {timeout_s:.0f} s")
+                time.sleep(0.05)
+
+    def _worker_device(self, index: int) -> str:
+        """FFN worker device: ``cuda:<index mod GPUs>`` with every GPU visible (a worker opens its
+        peers' pools through CUDA IPC, and the handles carry device indices that must agree
+        across workers: ``afore.migrator.peers``), or ``cpu``."""
         if self.opts.device != "cuda":
-            return {}
-        n = max(device_count("cuda"), 1)
-        return {"CUDA_VISIBLE_DEVICES": str(index % n)}
+            return "cpu"
+        return f"cuda:{index % max(device_count('cuda'), 1)}"
 
     def start_ffn_workers(self) -> None:
         """F ``afore ffn-worker`` processes (afore.ffn.worker). They load their experts, then
@@ -310,14 +347,13 @@ class Launcher:
             # included); a request's latency is bounded on the attention side (exchange_timeout_s)
             cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
                    "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", store_host,
-                   "--port", str(self.store_port), "--device", "cuda:0" if opts.device == "cuda" else "cpu",
+                   "--port", str(self.store_port), "--device", self._worker_device(first_device + w),
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
                    "--copy-rate-gbps", str(opts.copy_rate_gbps),
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             if opts.metrics_port:  # the worker serves on --metrics-port + rank
                 cmd += ["--metrics-port", str(opts.metrics_port + 1)]
-            env = {**os.environ, **self._device_env(first_device + w)}
-            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)))
+            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
         self._check_children("starting FFN workers")
 
     def server_command(self) -> list[str]:

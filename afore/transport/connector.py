@@ -149,10 +149,12 @@ def wait_for_ffn(host: str, port: int, num_ffn: int, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def host_store(port: int, timeout_s: float = 300.0, host: str = "0.0.0.0") -> dist.TCPStore:
+def host_store(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     """A TCPStore server for a transport whose ranks are all clients (``store_on_rank0=False``);
-    keep the returned object alive as long as the ranks may connect."""
-    return dist.TCPStore(host, port, world_size=None, is_master=True,
+    keep the returned object alive as long as the ranks may connect. It listens on every
+    interface (torch binds the wildcard address) and has no authentication: keep the port
+    inside the cluster network."""
+    return dist.TCPStore("0.0.0.0", port, world_size=None, is_master=True,
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 

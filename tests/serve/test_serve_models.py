@@ -11,8 +11,7 @@ import os
 
 import pytest
 
-from conftest import needs_vllm, tiny
-from servers import AforeServer, assert_same_generation, reference
+from servers import AforeServer, assert_same_generation, needs_vllm, reference, tiny
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 

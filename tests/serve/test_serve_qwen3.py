@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-from conftest import needs_vllm
-from servers import PROMPTS, AforeServer, assert_same_generation, free_port_pair, http
+from servers import PROMPTS, AforeServer, assert_same_generation, free_port_pair, http, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 

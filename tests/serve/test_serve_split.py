@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-from conftest import needs_vllm
-from servers import AttentionNode, FfnNode, assert_same_generation, http
+from servers import AttentionNode, FfnNode, assert_same_generation, http, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
+from servers import tiny
 
 from afore.attention.demand import count_demand
 from afore.attention.role import AttentionRoleConfig, load_from_env
@@ -226,29 +226,40 @@ def test_split_roles_are_checked_before_anything_starts():
     with pytest.raises(ValueError, match="ffn_host"):
         ServeOptions(role="attention", store_port=29600)
     with pytest.raises(ValueError, match="store_port"):
-        ServeOptions(role="ffn", store_port=0)
+        ServeOptions(role="ffn", host="0.0.0.0", store_port=0)
     with pytest.raises(ValueError, match="role"):
         ServeOptions(role="both")
     with pytest.raises(ValueError, match="demand_port"):
-        ServeOptions(role="ffn", store_port=29600, demand_port=70000)
+        ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, demand_port=70000)
+    with pytest.raises(ValueError, match="loopback"):
+        ServeOptions(role="ffn", store_port=29600)  # the default host, 127.0.0.1
+    with pytest.raises(ValueError, match="distinct ports"):
+        ServeOptions(role="ffn", host="0.0.0.0", store_port=29601, demand_port=29601)
+    with pytest.raises(ValueError, match="distinct ports"):
+        ServeOptions(role="attention", ffn_host="h", store_port=29600, port=8000, admin_port=8000)
+    with pytest.raises(ValueError, match="copy_rate_gbps"):
+        ServeOptions(copy_rate_gbps=float("nan"))
     info, _ = read_serving_spec(tiny("qwen3_moe"))
     # each role counts only the workers of its own node
-    check_shape(ServeOptions(role="ffn", store_port=29600, attn_workers=4, ffn_workers=2), info, devices=2)
+    check_shape(ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, attn_workers=4, ffn_workers=2), info, devices=2)
     check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=2, ffn_workers=8), info, devices=2)
     with pytest.raises(ValueError, match="ffn_workers: 3 workers"):
-        check_shape(ServeOptions(role="ffn", store_port=29600, attn_workers=1, ffn_workers=3), info, devices=2)
+        check_shape(ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, attn_workers=1, ffn_workers=3), info, devices=2)
     with pytest.raises(ValueError, match="attn_workers: 3 workers"):
         check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=3), info, devices=2)
 
 
 def test_split_role_without_a_token_exits_2_naming_the_variable():
     env = {k: v for k, v in __import__("os").environ.items() if k != "AFORE_DEMAND_TOKEN"}
-    out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--colocate"],
+    out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--colocate"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and "AFORE_DEMAND_TOKEN" in out.stderr
     out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--role", "attention", "--colocate"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and "ffn_host" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "afore.cli", "serve", "--role", "attention", "--ffn-host", "h", "--colocate"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "AFORE_DEMAND_TOKEN" in out.stderr
 
 
 def test_role_config_takes_one_demand_path():
@@ -258,3 +269,32 @@ def test_role_config_takes_one_demand_path():
     with pytest.raises(ValueError, match="demand"):
         AttentionRoleConfig(**base, demand="no-port")
     AttentionRoleConfig(**base, demand="ffn-0.afore:29601", store_master=False)
+
+
+def test_gpu_ffn_workers_see_every_gpu_and_take_one_each(monkeypatch):
+    """CUDA IPC handles carry device indices: every FFN worker must see the same GPUs, so the
+    launcher picks a worker's GPU with --device cuda:<i>, never by narrowing CUDA_VISIBLE_DEVICES."""
+    import afore.serve.launcher as launcher_mod
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, **kw):
+            started.append((cmd, env))
+            self.pid = 0
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(launcher_mod, "device_count", lambda device: 4)
+    monkeypatch.setattr(launcher_mod.subprocess, "Popen", FakePopen)
+    for role, a, f, first in (("all", 2, 2, 2), ("ffn", 8, 4, 0)):
+        started.clear()
+        opts = ServeOptions(role=role, host="0.0.0.0" if role == "ffn" else "127.0.0.1", store_port=29600,
+                            attn_workers=a, ffn_workers=f, device="cuda")
+        launcher = launcher_mod.Launcher(opts)
+        launcher.spec, launcher.model = read_serving_spec(tiny("qwen3_moe"))[0], "m"
+        launcher.start_ffn_workers()
+        devices = [cmd[cmd.index("--device") + 1] for cmd, _ in started]
+        assert devices == [f"cuda:{(first + w) % 4}" for w in range(f)], (role, devices)
+        assert all(env is None or "CUDA_VISIBLE_DEVICES" not in env for _, env in started)
