@@ -1,8 +1,8 @@
 """Copy pacing: how fast a batch of expert copies may pull over NVLink while experts compute.
 
 Why: a copy writes the destination GPU's HBM at the link rate (~390 GB/s on H200s), and the
-decode-size grouped GEMM is HBM-bound, so back-to-back full-rate copies slow it by up to 12.5%
-(measured, ``bench/results/migration.md``); paced to 50 GB/s, by at most 2.0%. Spreading the
+decode-size grouped GEMM is HBM-bound, so back-to-back full-rate copies slow it by up to 11.0%
+(measured, ``bench/results/migration.md``); paced to 50 GB/s, by at most 2.1%. Spreading the
 bytes over the lookahead window costs nothing as long as they still arrive in time.
 
 The rule (``copy_rate``): copy at ``cap_gbps``, unless the batch would then not finish within
