@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="checkpoint for the 'worker' part (FFN worker processes end to end)")
     parser.add_argument("--worker-targets", type=int, default=48, help="targets sent through the FFN workers")
-    parser.add_argument("--worker-backends", default="gloo,nccl", help="transport backends of the 'worker' part (nccl: GPUs only)")
+    parser.add_argument("--worker-backends", default="gloo,nccl,ffn-node",
+                        help="rounds of the 'worker' part: gloo, nccl (GPUs only), ffn-node (afore serve --role ffn)")
 
 
 # ---------------------------------------------------------------------------- timing
@@ -520,6 +521,15 @@ def _scrape(port: int) -> dict:
     return out
 
 
+def _scrape_samples(port: int) -> dict:
+    """Every sample of a Prometheus endpoint, by its full name (labels included)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#") and "_created" not in line}
+
+
 def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], rng) -> dict:
     """A=1 attention connector here, F FFN worker processes, random valid plans via a PlanRing."""
     from afore.ffn.reference import dense_moe, random_plan, random_routing
@@ -589,6 +599,96 @@ def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], 
             "exit_codes": [p.exitcode for p in procs], "worker0_metrics": metrics}
 
 
+def _ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> dict:
+    """``afore serve --role ffn`` (launcher, scheduler with its TCP demand receiver, FFN workers)
+    driven from here as the attention node would drive it, minus vLLM: the transport store is the
+    FFN node's, demand goes over TCP before each target, and the plans come from the scheduler."""
+    import signal
+    import subprocess
+
+    from afore.ffn.reference import dense_moe, random_routing
+    from afore.models.checkpoint import load_routed_experts, read_model_spec
+    from afore.prefetch.receiver import DemandClient
+    from afore.scheduler.plan import Target
+    from afore.transport.connector import AttentionConnector, TransportConfig, wait_for_ffn
+
+    spec = read_model_spec(args.model)
+    layers = len(spec.moe_layer_indices)
+    weights = [load_routed_experts(args.model, i, torch.float32) for i in spec.moe_layer_indices]
+    shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=layers, top_k=spec.top_k)
+    store_port, demand_port, admin_port = _free_port(), _free_port(), _free_port()
+    metrics_port = _free_port_run(1 + num_ffn)
+    token = os.urandom(8).hex()
+    cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", args.model,
+           "--attn-workers", "1", "--ffn-workers", str(num_ffn), "--device", device, "--dtype", "float32",
+           "--policy", "afore", "--store-port", str(store_port), "--demand-port", str(demand_port),
+           "--admin-port", str(admin_port), "--metrics-port", str(metrics_port)]
+    if device == "cpu":
+        cmd.append("--colocate")
+    node = subprocess.Popen(cmd, env={**os.environ, "AFORE_DEMAND_TOKEN": token})
+    conn = demand = None
+    try:
+        wait_for_ffn("127.0.0.1", store_port, num_ffn, 300.0)
+        cfg = TransportConfig("127.0.0.1", store_port, 1, num_ffn, spec.hidden_size, spec.top_k, torch.float32,
+                              "nccl" if attn_device.startswith("cuda") else "gloo", timeout_s=60.0, store_on_rank0=False)
+        conn = AttentionConnector(cfg, 0, attn_device)
+        demand = DemandClient("127.0.0.1", demand_port, token)
+        targets = [Target(s, l, b) for s in range(max(1, args.worker_targets // (2 * layers))) for l in range(layers) for b in range(2)]
+        dev = torch.device(attn_device)
+        outs, errors, pending, times = {}, [], [], []
+        inputs = []
+        for seq, target in enumerate(tqdm(targets, desc="worker ffn-node", file=sys.stdout)):
+            ids, w = random_routing(64, shape, rng, skew=1.2)
+            hidden = torch.randn(64, spec.hidden_size)
+            inputs.append((hidden, ids, w))
+            demand.put(target, 0, np.bincount(ids.reshape(-1).numpy(), minlength=spec.num_experts))
+            pending.append((seq, time.perf_counter(), conn.send(target, seq, hidden.to(dev), ids.to(dev), w.to(dev))))
+            if len(pending) == 2:
+                s0, t0, h = pending.pop(0)
+                outs[s0] = conn.recv(h).cpu()
+                times.append((time.perf_counter() - t0) * 1e3)
+        for s0, t0, h in pending:
+            outs[s0] = conn.recv(h).cpu()
+            times.append((time.perf_counter() - t0) * 1e3)
+        for seq, target in enumerate(targets):
+            hidden, ids, w = inputs[seq]
+            ref = dense_moe(hidden, ids, w, weights[target.layer].w13, weights[target.layer].w2)
+            errors.append(float((outs[seq].double() - ref).norm() / ref.norm()))
+        scheduler, worker0 = _scrape_samples(metrics_port), _scrape(metrics_port + 1)
+    finally:
+        if node.poll() is None:
+            node.send_signal(signal.SIGTERM)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+        if demand is not None:
+            demand.close()
+        if conn is not None:
+            conn.close()
+    return {"backend": f"{cfg.backend} (afore serve --role ffn)", "attention_device": attn_device,
+            "ffn_devices": [f"{device} x{num_ffn}"], "targets": len(targets), "plans_from_ring": True,
+            "max_rel_error": max(errors), "median_round_trip_ms": statistics.median(times), "exit_codes": [node.returncode],
+            "worker0_metrics": worker0, "scheduler_metrics": {k: v for k, v in scheduler.items() if "receiver" in k or "published" in k}}
+
+
+def _free_port_run(n: int) -> int:
+    """A port p with p .. p + n - 1 free."""
+    import socket
+
+    for _ in range(50):
+        p = _free_port()
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p + k))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def bench_worker(args, device: torch.device, gpus: int, rng, on_round=None) -> dict | None:
     """Rounds: gloo (attention on the host, F workers on the GPUs: IPC copies, Triton kernels),
     then NCCL (needs distinct GPUs per rank: attention on GPU 1, one FFN worker on GPU 0).
@@ -601,13 +701,17 @@ def bench_worker(args, device: torch.device, gpus: int, rng, on_round=None) -> d
         plan = [("gloo", "cpu", [f"cuda:{i}" for i in range(min(gpus, 2))])]
         if gpus >= 2:
             plan.append(("nccl", "cuda:1", ["cuda:0"]))
+            plan.append(("ffn-node", "cuda:1", ["cuda"]))  # afore serve --role ffn, its FFN worker on GPU 0
     else:
-        plan = [("gloo", "cpu", ["cpu", "cpu"])]
+        plan = [("gloo", "cpu", ["cpu", "cpu"]), ("ffn-node", "cpu", ["cpu", "cpu"])]
     wanted = {b.strip() for b in args.worker_backends.split(",")}
     for backend, attn, ffn in plan:
         if backend not in wanted:
             continue
-        result["rounds"].append(_worker_round(args, backend, attn, ffn, rng))
+        if backend == "ffn-node":
+            result["rounds"].append(_ffn_node_round(args, attn, ffn[0], len(ffn), rng))
+        else:
+            result["rounds"].append(_worker_round(args, backend, attn, ffn, rng))
         if on_round is not None:
             on_round(result)
     return result
@@ -682,14 +786,20 @@ def _markdown(data: dict) -> str:
     wk = data.get("worker")
     if wk:
         lines += ["## FFN workers end to end (attention connector here, worker processes, plans via a PlanRing)", "",
+                  "The `afore serve --role ffn` round starts the FFN node as `afore serve` would on its own machine (the launcher, "
+                  "the scheduler with its TCP demand receiver, the FFN workers) and drives it from here as the attention node does: "
+                  "demand over TCP before each target, plans from the scheduler (policy afore), the transport store on the FFN node.", "",
                   markdown_table(["backend", "attention", "FFN workers", "targets", "max rel error vs dense fp64", "median round trip ms",
-                                  "window ms (sum/count)", "exposed ms (sum)", "copies", "primary-only", "exit codes"],
+                                  "window ms (sum/count)", "exposed ms (sum)", "copies", "primary-only", "demand accepted over TCP", "exit codes"],
                                  [[r["backend"], r["attention_device"], ", ".join(r["ffn_devices"]), r["targets"], f"{r['max_rel_error']:.1e}",
                                    f"{r['median_round_trip_ms']:.2f}",
                                    f"{r['worker0_metrics'].get('afore_ffn_lookahead_window_ms_sum', 0):.2f}/{r['worker0_metrics'].get('afore_ffn_lookahead_window_ms_count', 0):.0f}",
                                    f"{r['worker0_metrics'].get('afore_ffn_exposed_copy_wait_ms_sum', 0):.3f}",
                                    f"{r['worker0_metrics'].get('afore_ffn_copies_total', 0):.0f}",
-                                   f"{r['worker0_metrics'].get('afore_ffn_primary_only_total', 0):.0f}", r["exit_codes"]] for r in wk["rounds"]]), ""]
+                                   f"{r['worker0_metrics'].get('afore_ffn_primary_only_total', 0):.0f}",
+                                   "-" if "scheduler_metrics" not in r else
+                                   f"{sum(v for k, v in r['scheduler_metrics'].items() if 'accepted' in k):.0f}",
+                                   r["exit_codes"]] for r in wk["rounds"]]), ""]
     t = data.get("targets")
     if t:
         lines += ["## Targets", "", markdown_table(["target", "value", "met"], [[n, v["value"], v["met"]] for n, v in t.items()]), ""]

@@ -17,7 +17,7 @@ for part in ${PARTS:-transport migration nccl}; do
     transport) python3 -m afore.bench.transport --producers 4 --readers 8 --experts 128 --iters 10000 \
                  --name transport_h200 --out-dir "$OUT" ;;
     migration) python3 -m afore.bench.migration --out-dir "$OUT" ;;
-    nccl) python3 -m afore.bench.migration --parts worker --worker-backends nccl,gloo \
+    nccl) python3 -m afore.bench.migration --parts worker --worker-backends nccl,gloo,ffn-node \
             --model .devcarry/tinyq --name migration_worker_h200x2 --out-dir "$OUT" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
