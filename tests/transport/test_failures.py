@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from afore.scheduler.plan import Target
-from afore.transport.connector import AttentionConnector, FFNConnector, TransportConfig
+from afore.transport.connector import AttentionConnector, FFNConnector, TransportConfig, host_store, wait_for_ffn
 
 HIDDEN, TOP_K, TIMEOUT_S = 8, 2, 2.0
+FFN_START_TIMEOUT_S = 120.0  # a spawned interpreter importing torch on a loaded 2-core machine
 
 
 def _free_port() -> int:
@@ -22,13 +23,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cfg(port: int) -> TransportConfig:
-    return TransportConfig("127.0.0.1", port, 1, 1, HIDDEN, TOP_K, timeout_s=TIMEOUT_S)
+def _cfg(port: int, timeout_s: float = TIMEOUT_S) -> TransportConfig:
+    # the store is hosted by the test (as ``afore serve --role ffn`` does), so neither side's
+    # start-up speed decides whether the other finds it
+    return TransportConfig("127.0.0.1", port, 1, 1, HIDDEN, TOP_K, timeout_s=timeout_s, store_on_rank0=False)
 
 
 def _ffn(port: int, mode: str) -> None:
-    """An FFN end that doubles its input ("echo") or receives and never answers ("silent")."""
-    conn = FFNConnector(_cfg(port), 0)
+    """An FFN end that doubles its input ("echo") or receives and never answers ("silent").
+    Its own waits are long: the timeouts under test are the attention side's."""
+    conn = FFNConnector(_cfg(port, FFN_START_TIMEOUT_S), 0)
     while True:
         mb = conn.recv(timeout_s=0.2)
         if mb is None:
@@ -44,11 +48,14 @@ def ffn_process():
 
     def start(mode: str) -> tuple[mp.Process, AttentionConnector]:
         port = _free_port()
+        stores.append(host_store(port, FFN_START_TIMEOUT_S))
         proc = mp.get_context("spawn").Process(target=_ffn, args=(port, mode), daemon=True)
         proc.start()
         procs.append(proc)
+        wait_for_ffn("127.0.0.1", port, 1, FFN_START_TIMEOUT_S)  # the FFN end is up and joining
         return proc, AttentionConnector(_cfg(port), 0)
 
+    stores: list = []
     yield start
     for proc in procs:
         if proc.is_alive():
