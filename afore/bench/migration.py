@@ -39,6 +39,7 @@ from afore.migrator.copy_engine import CopyJob, make_copy_engine
 from afore.migrator.migrator import Migrator, PoolSource
 from afore.migrator.peers import export_tensors, open_tensors
 from afore.migrator.slot_pool import SlotPool
+from afore.ports import free_port, free_port_run
 
 NVLINK_PEAK_GBPS = 450.0  # H200 NVLink 4, one direction
 
@@ -361,19 +362,17 @@ def _replay_trace(cfg: dict):
 def replay_plans(counts: np.ndarray, shape: ClusterShape, cost: CostModel, params: SchedulerParams) -> list:
     """Algorithm 1 over a trace in FFN execution order, with per-layer state (table, U[t], A[t-1])."""
     from afore.scheduler.algorithm import schedule
-    from afore.scheduler.plan import SlotTable, Target
+    from afore.scheduler.plan import SlotTable
+    from afore.traces.format import iter_targets
 
-    steps, layers, microbatches, _ = counts.shape
-    state = {l: (SlotTable.empty(shape), np.zeros((shape.num_workers, shape.redundant_slots), bool), None) for l in range(layers)}
-    plans, seq = [], 0
-    for s in range(steps):
-        for l in range(layers):
-            for b in range(microbatches):
-                table, protected, prev = state[l]
-                plan, table = schedule(shape, counts[s, l, b], table, protected, prev, params, cost, Target(s, l, b), seq)
-                state[l] = (table, table.last_used == seq, plan.assignment)
-                plans.append(plan)
-                seq += 1
+    state = {l: (SlotTable.empty(shape), np.zeros((shape.num_workers, shape.redundant_slots), bool), None)
+             for l in range(counts.shape[1])}
+    plans = []
+    for target, seq, demand in iter_targets(counts):
+        table, protected, prev = state[target.layer]
+        plan, table = schedule(shape, demand, table, protected, prev, params, cost, target, seq)
+        state[target.layer] = (table, table.last_used == seq, plan.assignment)
+        plans.append(plan)
     return plans
 
 
@@ -502,14 +501,6 @@ def bench_replay(args, device: torch.device, peer_conn, cost: CostModel, copy_ms
 # ---------------------------------------------------------------------------- FFN workers end to end
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _scrape(port: int) -> dict:
     import urllib.request
 
@@ -519,6 +510,42 @@ def _scrape(port: int) -> dict:
         if line.startswith("afore_ffn_") and "{" in line and "_created" not in line and "_bucket" not in line:
             out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _exchange_all(conn, targets: list, inputs: list, attn_device: str, desc: str, before_send=None) -> tuple[list, list]:
+    """Send every target through ``conn`` with two in flight (the lookahead the FFN side needs);
+    returns the outputs (on the host) and the round-trip times in ms. ``before_send(seq, target)``
+    runs before each send."""
+    dev = torch.device(attn_device)
+    outs, times, pending = [None] * len(targets), [], []
+
+    def receive_oldest() -> None:
+        s0, t0, handle = pending.pop(0)
+        outs[s0] = conn.recv(handle).cpu()
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    for seq, target in enumerate(tqdm(targets, desc=desc, file=sys.stdout)):
+        if before_send is not None:
+            before_send(seq, target)
+        hidden, ids, w = (t.to(dev) for t in inputs[seq])
+        pending.append((seq, time.perf_counter(), conn.send(target, seq, hidden, ids, w)))
+        if len(pending) == 2:
+            receive_oldest()
+    while pending:
+        receive_oldest()
+    return outs, times
+
+
+def _rel_errors(targets: list, inputs: list, outs: list, weights: list) -> list[float]:
+    """Per target, the relative error of ``outs`` against the dense fp64 MoE layer."""
+    from afore.ffn.reference import dense_moe
+
+    errors = []
+    for seq, target in enumerate(targets):
+        hidden, ids, w = inputs[seq]
+        ref = dense_moe(hidden, ids, w, weights[target.layer].w13, weights[target.layer].w2)
+        errors.append(float((outs[seq].double() - ref).norm() / ref.norm()))
+    return errors
 
 
 def _scrape_samples(port: int) -> dict:
@@ -532,7 +559,7 @@ def _scrape_samples(port: int) -> dict:
 
 def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], rng) -> dict:
     """A=1 attention connector here, F FFN worker processes, random valid plans via a PlanRing."""
-    from afore.ffn.reference import dense_moe, random_plan, random_routing
+    from afore.ffn.reference import random_plan, random_routing
     from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
     from afore.models.checkpoint import load_routed_experts, read_model_spec
     from afore.scheduler.plan import SlotTable, Target
@@ -557,7 +584,7 @@ def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], 
         plans[seq], tables[target.layer] = random_plan(shape, demand, tables[target.layer], rng, target, seq, new_copies=2)
     ring_name = f"afore-bench-ring-{os.getpid()}-{backend}"
     ring = PlanRing.create(ring_name, shape, num_readers=num_ffn, num_slots=max(16, len(targets) + 1), liveness_timeout_s=60) if PlanRing else None
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     timeout = 60.0
     cfg = TransportConfig("127.0.0.1", port, 1, num_ffn, spec.hidden_size, spec.top_k, torch.float32, backend, timeout_s=timeout)
     procs = start_ffn_workers([FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=1, model=args.model, port=port, device=d,
@@ -570,23 +597,8 @@ def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], 
         if ring:
             for seq in sorted(plans):
                 ring.publish(plans[seq])
-        outs, times, pending = [None] * len(targets), [], []
-        dev = torch.device(attn_device)
-        for seq, target in enumerate(tqdm(targets, desc=f"worker {backend}", file=sys.stdout)):
-            hidden, ids, w = (t.to(dev) for t in inputs[seq])
-            pending.append((seq, time.perf_counter(), conn.send(target, seq, hidden, ids, w)))
-            if len(pending) == 2:
-                s0, t0, h = pending.pop(0)
-                outs[s0] = conn.recv(h).cpu()
-                times.append((time.perf_counter() - t0) * 1e3)
-        for s0, t0, h in pending:
-            outs[s0] = conn.recv(h).cpu()
-            times.append((time.perf_counter() - t0) * 1e3)
-        errors = []
-        for seq, target in enumerate(targets):
-            hidden, ids, w = inputs[seq]
-            ref = dense_moe(hidden, ids, w, weights[target.layer].w13, weights[target.layer].w2)
-            errors.append(float((outs[seq].double() - ref).norm() / ref.norm()))
+        outs, times = _exchange_all(conn, targets, inputs, attn_device, f"worker {backend}")
+        errors = _rel_errors(targets, inputs, outs, weights)
         metrics = _scrape(metrics_port)
     finally:
         stop_ffn_workers(procs)
@@ -606,7 +618,7 @@ def _ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> d
     import signal
     import subprocess
 
-    from afore.ffn.reference import dense_moe, random_routing
+    from afore.ffn.reference import random_routing
     from afore.models.checkpoint import load_routed_experts, read_model_spec
     from afore.prefetch.receiver import DemandClient
     from afore.scheduler.plan import Target
@@ -616,8 +628,8 @@ def _ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> d
     layers = len(spec.moe_layer_indices)
     weights = [load_routed_experts(args.model, i, torch.float32) for i in spec.moe_layer_indices]
     shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=layers, top_k=spec.top_k)
-    store_port, demand_port, admin_port = _free_port(), _free_port(), _free_port()
-    metrics_port = _free_port_run(1 + num_ffn)
+    store_port, demand_port, admin_port = free_port(), free_port(), free_port()
+    metrics_port = free_port_run(1 + num_ffn)
     token = os.urandom(8).hex()
     cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", args.model,
            "--attn-workers", "1", "--ffn-workers", str(num_ffn), "--device", device, "--dtype", "float32",
@@ -634,26 +646,17 @@ def _ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> d
         conn = AttentionConnector(cfg, 0, attn_device)
         demand = DemandClient("127.0.0.1", demand_port, token)
         targets = [Target(s, l, b) for s in range(max(1, args.worker_targets // (2 * layers))) for l in range(layers) for b in range(2)]
-        dev = torch.device(attn_device)
-        outs, errors, pending, times = {}, [], [], []
         inputs = []
-        for seq, target in enumerate(tqdm(targets, desc="worker ffn-node", file=sys.stdout)):
+        for _ in targets:
             ids, w = random_routing(64, shape, rng, skew=1.2)
-            hidden = torch.randn(64, spec.hidden_size)
-            inputs.append((hidden, ids, w))
+            inputs.append((torch.randn(64, spec.hidden_size), ids, w))
+
+        def send_demand(seq: int, target) -> None:  # the attention node's demand path, ahead of the data
+            ids = inputs[seq][1]
             demand.put(target, 0, np.bincount(ids.reshape(-1).numpy(), minlength=spec.num_experts))
-            pending.append((seq, time.perf_counter(), conn.send(target, seq, hidden.to(dev), ids.to(dev), w.to(dev))))
-            if len(pending) == 2:
-                s0, t0, h = pending.pop(0)
-                outs[s0] = conn.recv(h).cpu()
-                times.append((time.perf_counter() - t0) * 1e3)
-        for s0, t0, h in pending:
-            outs[s0] = conn.recv(h).cpu()
-            times.append((time.perf_counter() - t0) * 1e3)
-        for seq, target in enumerate(targets):
-            hidden, ids, w = inputs[seq]
-            ref = dense_moe(hidden, ids, w, weights[target.layer].w13, weights[target.layer].w2)
-            errors.append(float((outs[seq].double() - ref).norm() / ref.norm()))
+
+        outs, times = _exchange_all(conn, targets, inputs, attn_device, "worker ffn-node", send_demand)
+        errors = _rel_errors(targets, inputs, outs, weights)
         scheduler, worker0 = _scrape_samples(metrics_port), _scrape(metrics_port + 1)
     finally:
         if node.poll() is None:
@@ -671,22 +674,6 @@ def _ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> d
             "ffn_devices": [f"{device} x{num_ffn}"], "targets": len(targets), "plans_from_ring": True,
             "max_rel_error": max(errors), "median_round_trip_ms": statistics.median(times), "exit_codes": [node.returncode],
             "worker0_metrics": worker0, "scheduler_metrics": {k: v for k, v in scheduler.items() if "receiver" in k or "published" in k}}
-
-
-def _free_port_run(n: int) -> int:
-    """A port p with p .. p + n - 1 free."""
-    import socket
-
-    for _ in range(50):
-        p = _free_port()
-        try:
-            for k in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p + k))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def bench_worker(args, device: torch.device, gpus: int, rng, on_round=None) -> dict | None:

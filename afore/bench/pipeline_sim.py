@@ -48,9 +48,9 @@ from typing import Callable, Iterable
 import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
-from afore.scheduler.plan import Target
 from afore.scheduler.policies import Observation, make_policy
 from afore.scheduler.policies.base import migration_ms
+from afore.traces.format import iter_targets
 
 # ---------------------------------------------------------------------------- calibration
 
@@ -241,16 +241,6 @@ def demand_digest(counts: Iterable[np.ndarray]) -> str:
         h.update(np.ascontiguousarray(d, np.int64).tobytes())
     return h.hexdigest()
 
-
-def iter_targets(counts: np.ndarray):
-    """(Target, seq, demand int64[E]) in FFN execution order over counts[S, L, M, E]."""
-    s_, l_, m_, _ = counts.shape
-    seq = 0
-    for s in range(s_):
-        for l in range(l_):
-            for b in range(m_):
-                yield Target(s, l, b), seq, counts[s, l, b]
-                seq += 1
 
 
 def run_policy(name: str, shape: ClusterShape, params: SchedulerParams, cost: CostModel, counts: np.ndarray,

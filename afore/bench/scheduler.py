@@ -42,9 +42,9 @@ from afore.config import ClusterShape, SchedulerParams
 from afore.scheduler import algorithm, core
 from afore.scheduler.cost import load_cost_model
 from afore.scheduler.optimal import certify
-from afore.scheduler.plan import Target
 from afore.scheduler.policies import POLICY_NAMES, Observation, make_policy
 from afore.scheduler.policies.eplb import rebalance
+from afore.traces.format import iter_targets
 from afore.traces.harmoeny import load_harmoeny
 from afore.traces.synthetic import WORKLOADS, SyntheticSpec, generate, resample_trace
 
@@ -177,15 +177,6 @@ def build_workloads(config: dict) -> list[dict]:
     return workloads
 
 
-def _targets(counts: np.ndarray):
-    s, l, b, _ = counts.shape
-    seq = 0
-    for si in range(s):
-        for li in range(l):
-            for bi in range(b):
-                yield Target(si, li, bi), seq, counts[si, li, bi]
-                seq += 1
-
 
 def bench_ep(ep: int, workloads: list[dict], config: dict, cost) -> tuple[dict, list[dict]]:
     num_layers = workloads[0]["counts"].shape[1]
@@ -202,7 +193,7 @@ def bench_ep(ep: int, workloads: list[dict], config: dict, cost) -> tuple[dict, 
         policy = make_policy("afore", shape, params, cost, impl="core")
         sampled = set(w["sampled"])
         history: dict[int, list[np.ndarray]] = {}
-        for target, seq, demand in _targets(w["counts"]):
+        for target, seq, demand in iter_targets(w["counts"]):
             key = (target.step, target.layer, target.microbatch)
             state = policy.layer(target.layer)
             table, protected, prev = state.table.copy(), state.protected(shape), state.prev_assignment
@@ -280,7 +271,7 @@ def compare_policies(shape: ClusterShape, params: SchedulerParams, cost, workloa
         ratios, copies, exposed = [], [], []
         for w in workloads:
             policy = make_policy(name, shape, params, cost, check_plans=False, **POLICY_OPTIONS.get(name, {}))
-            for target, seq, demand in _targets(w["counts"]):
+            for target, seq, demand in iter_targets(w["counts"]):
                 plan = policy.plan(Observation(target, seq, demand))
                 if target.step >= config["warmup"]:
                     mean = plan.tile_load.mean()

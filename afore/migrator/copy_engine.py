@@ -193,7 +193,6 @@ class _CudaBatch:
     def __init__(self) -> None:
         self.start = torch.cuda.Event(enable_timing=True)
         self.end = torch.cuda.Event(enable_timing=True)
-        self.rate_gbps: float | None = None  # paced rate, None = full rate
 
     def done(self) -> bool:
         return self.end.query()
@@ -425,11 +424,8 @@ class CudaCopyEngine:
             budget = None
             if deadline_ms is not None:
                 budget = deadline_ms - max(0.0, self._busy_until - now) * 1e3 - self.chunk_overhead_us * 1e-3
-            rate = copy_rate(nbytes, self.max_gbps, budget, self.link_gbps)
-            if budget is not None and budget <= 0:
-                rate = None
+            rate = copy_rate(nbytes, self.max_gbps, budget, self.link_gbps)  # None (full rate) once budget <= 0
         batch = _CudaBatch()
-        batch.rate_gbps = rate
         launch = None
         if transfers and rate is None and self.batch_api:
             launch = self._driver.prepare_batch(transfers, self.device.index)
@@ -442,20 +438,18 @@ class CudaCopyEngine:
             if self._driver is None:
                 for job in jobs:
                     self._torch_copy(job)
-            elif not transfers:
-                pass
-            elif rate is not None:
-                self._learn_overhead()
-                estimate = self.chunk_overhead_us
-                chunks, planned_us = self._paced(transfers, rate)
-                self._paced_batches.append((batch, chunks, planned_us, estimate))
+            elif transfers:
+                planned_us = nbytes / (self.link_gbps * 1e3)
+                if rate is not None:
+                    self._learn_overhead()
+                    estimate = self.chunk_overhead_us
+                    chunks, planned_us = self._paced(transfers, rate)
+                    self._paced_batches.append((batch, chunks, planned_us, estimate))
+                elif launch is not None:
+                    launch(self.stream)
+                else:
+                    self._lanes_copy(transfers)
                 self._book(planned_us)
-            elif launch is not None:
-                launch(self.stream)
-                self._book(nbytes / (self.link_gbps * 1e3))
-            else:
-                self._lanes_copy(transfers)
-                self._book(nbytes / (self.link_gbps * 1e3))
             batch.end.record(self.stream)
         return batch
 

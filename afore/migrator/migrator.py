@@ -250,7 +250,7 @@ class Migrator:
             if ready:
                 other.deferred = [c for c in other.deferred if c not in ready]
                 # its target may commit next: no pacing
-                other.batches.append(self._submit(layer, ready, deadline_ms=0.0))
+                other.batches.append(self._submit(layer, ready, paced=False))
         self._resolve()
 
     def _earlier_readers(self, layer: int, slot: int, seq: int) -> bool:
@@ -261,8 +261,8 @@ class Migrator:
         if plan.seq in self.prepared:
             self.release(plan)
 
-    def _submit(self, layer: int, copies: list[tuple[int, int, int]], deadline_ms: float | None = -1.0) -> CopyBatch:
-        """``deadline_ms``: -1 = from the measured windows (``copy_deadline_ms``)."""
+    def _submit(self, layer: int, copies: list[tuple[int, int, int]], paced: bool = True) -> CopyBatch:
+        """``paced``: the batch's deadline comes from the measured windows; False: deadline 0 (full rate)."""
         pool = self.pools[layer]
         jobs, after = [], []
         for ex, src, s in copies:
@@ -272,9 +272,7 @@ class Migrator:
             fence = self.last_read[layer][r]
             if fence is not None and fence not in after:
                 after.append(fence)
-        if deadline_ms is not None and deadline_ms < 0:
-            deadline_ms = self.copy_deadline_ms()
-        batch = self.engine.submit(jobs, after, deadline_ms=deadline_ms)
+        batch = self.engine.submit(jobs, after, deadline_ms=self.copy_deadline_ms() if paced else 0.0)
         for ex, _, s in copies:
             pool.resident[s] = ex
             self.pending[layer][s - self.num_primaries] = batch

@@ -141,3 +141,17 @@ def skew_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
         for layer in range(counts.shape[1]):
             tv[layer] = np.mean([total_variation(steps[s, layer], steps[s + 1, layer]) for s in range(steps.shape[0] - 1)])
     return {"max_mean": max_mean, "tv_consecutive": tv}
+
+
+def iter_targets(counts: np.ndarray):
+    """(Target, seq, demand int64[E]) in FFN execution order (steps, then layers, then
+    microbatches) over counts[S, L, M, E]."""
+    from afore.scheduler.plan import Target
+
+    s_, l_, m_, _ = counts.shape
+    seq = 0
+    for s in range(s_):
+        for l in range(l_):
+            for b in range(m_):
+                yield Target(s, l, b), seq, counts[s, l, b]
+                seq += 1

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from afore.ports import free_port, free_port_run
 from afore.serve.launcher import _die_with_parent
 
 # (here, not in conftest.py: ``from conftest import`` resolves to whichever conftest was imported first)
@@ -35,24 +35,18 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def free_port_pair(n: int = 2) -> int:
     """A port p with p .. p + n - 1 free (default: API and admin endpoint)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            for k in range(1, n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p + k))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError(f"no {n} consecutive free ports")
+    return free_port_run(n)
 
 
 def http(method: str, url: str, body: object | None = None, timeout: float = 120.0, raw: bytes | None = None) -> tuple[int, dict | str]:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from servers import PROMPTS, AforeServer, assert_same_generation, free_port_pair, http, needs_vllm
+from servers import PROMPTS, AforeServer, alive, assert_same_generation, free_port_pair, http, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,13 +49,6 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def _shm_segments(tag: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(tag)]
@@ -75,9 +68,9 @@ def a1f2(model, want, log_dir):
     server.stop()
     assert server.proc.returncode is not None
     deadline = time.monotonic() + 30
-    while [p for p in descendants if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in descendants if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in descendants if _alive(p)], "processes left behind"
+    assert not [p for p in descendants if alive(p)], "processes left behind"
     assert _shm_segments(f"afore-{pid}-") == [], "shared-memory segments left behind"
 
 

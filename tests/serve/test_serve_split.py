@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from servers import AttentionNode, FfnNode, assert_same_generation, http, needs_vllm
+from servers import AttentionNode, FfnNode, alive, assert_same_generation, http, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -86,12 +86,5 @@ def test_stopping_the_attention_node_stops_the_ffn_node_cleanly(nodes):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(tag)]
     children = [p["pid"] for p in status["processes"].values()]
     assert len(children) == F + 1  # the scheduler and the FFN workers
-    assert not [pid for pid in children if _alive(pid)], f"children left behind: {children}"
+    assert not [pid for pid in children if alive(pid)], f"children left behind: {children}"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
