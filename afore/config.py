@@ -18,6 +18,9 @@ import numpy as np
 #: Environment variable holding the demand receiver's shared token (``afore serve --role ffn``
 #: and ``--role attention``; the scheduler reads it when its config carries no token).
 DEMAND_TOKEN_ENV = "AFORE_DEMAND_TOKEN"
+#: Copy rate cap while experts compute (GB/s): measured on H200s to keep the decode-size
+#: grouped GEMM within 3% of its time alone (``afore bench migration``, overlap part).
+DEFAULT_COPY_RATE_GBPS = 50.0
 
 
 class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

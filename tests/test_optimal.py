@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm
 from afore.scheduler.optimal import certify, check_tiles_feasible, lower_bounds, tile_counts
-from afore.scheduler.plan import SlotTable, Target
+from afore.plan import SlotTable, Target
 
 
 def brute_force(shape, demand, table, protected, budget):

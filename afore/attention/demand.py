@@ -25,21 +25,10 @@ import time
 import numpy as np
 import torch
 
-from afore.ffn.partition import bin_counts
-from afore.scheduler.plan import Target
+from afore.routing import count_demand
+from afore.plan import Target
 
 log = logging.getLogger("afore.attention")
-
-
-def count_demand(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64[E] on the ids' device: how many token-expert pairs each expert got.
-
-    Ids outside [0, E) (padding rows some routers mark with -1) are not counted.
-    """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < num_experts)
-    # bin_counts, not torch.bincount: bincount reads the maximum on the host (a CUDA sync)
-    return bin_counts(torch.where(valid, flat, num_experts), num_experts + 1)[:num_experts]
 
 
 class _RemoteMailbox:

@@ -33,7 +33,7 @@ import torch
 from afore.attention import role as role_
 from afore.attention import vllm_compat
 from afore.attention.demand import DemandEmitter
-from afore.scheduler.plan import Target
+from afore.plan import Target
 
 log = logging.getLogger("afore.attention")
 
@@ -60,7 +60,7 @@ class ForwardCounter:
         return self._link
 
     def seq(self, layer: int, microbatch: int) -> int:
-        return (self.step * len(self.cfg.moe_layers) + layer) * self.cfg.microbatches + microbatch
+        return Target(self.step, layer, microbatch).seq(len(self.cfg.moe_layers), self.cfg.microbatches)
 
 
 class TorchLink:

@@ -273,7 +273,8 @@ def bench_overlap(shapes: dict, src_pools: dict, args, device: torch.device, dty
     The compute (20 grouped GEMMs) is one CUDA graph, so the host adds nothing to its time;
     copies are enqueued before it and outlast it (checked: ``copies_outlast``). Runs alone
     and with copies alternate, so clock drift affects both alike."""
-    from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS, CudaCopyEngine
+    from afore.config import DEFAULT_COPY_RATE_GBPS
+    from afore.migrator.copy_engine import CudaCopyEngine
 
     rows = []
     backend = "triton" if device.type == "cuda" and triton_available() else "torch"
@@ -362,7 +363,7 @@ def _replay_trace(cfg: dict):
 def replay_plans(counts: np.ndarray, shape: ClusterShape, cost: CostModel, params: SchedulerParams) -> list:
     """Algorithm 1 over a trace in FFN execution order, with per-layer state (table, U[t], A[t-1])."""
     from afore.scheduler.algorithm import schedule
-    from afore.scheduler.plan import SlotTable
+    from afore.plan import SlotTable
     from afore.traces.format import iter_targets
 
     state = {l: (SlotTable.empty(shape), np.zeros((shape.num_workers, shape.redundant_slots), bool), None)
@@ -406,7 +407,7 @@ def _replay_worker(worker: int, device: torch.device, cfg: dict, link) -> dict:
                        torch.as_tensor(ids, dtype=torch.int32, device=device),
                        torch.rand(n, k, device=device)))
     # warm-up: kernels compiled, allocator primed (no copies)
-    from afore.scheduler.plan import primary_only_plan
+    from afore.plan import primary_only_plan
     for l in range(layers):
         warm = primary_only_plan(shape, plans[0].demand, plans[0].target, -1)
         ffn[l](*inputs[0], warm)
@@ -562,7 +563,7 @@ def _worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], 
     from afore.ffn.reference import random_plan, random_routing
     from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
     from afore.models.checkpoint import load_routed_experts, read_model_spec
-    from afore.scheduler.plan import SlotTable, Target
+    from afore.plan import SlotTable, Target
     from afore.transport.connector import AttentionConnector, TransportConfig
 
     try:
@@ -621,7 +622,7 @@ def _ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> d
     from afore.ffn.reference import random_routing
     from afore.models.checkpoint import load_routed_experts, read_model_spec
     from afore.prefetch.receiver import DemandClient
-    from afore.scheduler.plan import Target
+    from afore.plan import Target
     from afore.transport.connector import AttentionConnector, TransportConfig, wait_for_ffn
 
     spec = read_model_spec(args.model)

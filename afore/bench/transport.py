@@ -31,8 +31,8 @@ import numpy as np
 
 from afore import _shm
 from afore.config import ClusterShape
-from afore.prefetch.mailbox import DemandMailbox, seq_target
-from afore.scheduler.plan import Plan, primary_only_plan
+from afore.prefetch.mailbox import DemandMailbox
+from afore.plan import Plan, Target, primary_only_plan
 from afore.scheduler.plan_codec import decode_plan, encode_plan
 from afore.scheduler.plan_ring import PlanRing
 
@@ -79,7 +79,7 @@ def _producer(mailbox: str, go_name: str, worker: int, total: int, experts: int,
         while go[0] < i:
             if not spin_s:
                 time.sleep(0)  # oversubscribed host: yield the core to whoever has work
-        if not mb.put(seq_target(i, layers, microbatches), worker, counts[i % 16], timeout_s=1.0):
+        if not mb.put(Target.from_seq(i, layers, microbatches), worker, counts[i % 16], timeout_s=1.0):
             raise RuntimeError(f"producer {worker}: report {i} dropped")
     del go
     shm.close()
@@ -115,7 +115,7 @@ def _reader(ring_name: str, reader: int, total: int, shape: ClusterShape, core: 
 def sample_plan(shape: ClusterShape, seq: int, rng: np.random.Generator) -> Plan:
     """A full-size plan: demand of A*top_k*tokens pairs, every redundant slot bound by a copy."""
     demand = rng.integers(0, 4 * shape.m_tile, shape.num_experts)
-    plan = primary_only_plan(shape, demand, seq_target(seq, 1, 1), seq)
+    plan = primary_only_plan(shape, demand, Target.from_seq(seq, 1, 1), seq)
     owner, pcount, m = shape.primary_owner, shape.primary_counts, shape.m_tile
     copies = []
     hot = np.argsort(-demand)

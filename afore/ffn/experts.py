@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from afore.ffn.partition import bin_counts
+from afore.routing import bin_counts
 
 BACKENDS = ("auto", "triton", "torch")
 

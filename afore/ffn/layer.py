@@ -18,7 +18,7 @@ import torch
 from afore.ffn.experts import grouped_expert_mlp
 from afore.ffn.partition import worker_mask
 from afore.migrator.slot_pool import SlotPool
-from afore.scheduler.plan import Plan
+from afore.plan import Plan
 
 
 class FFNLayer:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from afore.routing import bin_counts
+
 
 def pair_ordinals(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Ordinal of each pair among the pairs of its expert, in flattened routing order.
@@ -35,13 +37,6 @@ def pair_ordinals(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     ordinals = torch.empty_like(rank_in_sorted)
     ordinals[order] = rank_in_sorted
     return ordinals
-
-
-def bin_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """int64[num_bins]: occurrences of each id in [0, num_bins). Unlike ``torch.bincount``
-    on CUDA this never synchronises with the host (bincount reads the maximum first)."""
-    ids = ids.long()
-    return torch.zeros(num_bins, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
 
 
 def ordinal_intervals(assignment: torch.Tensor, primary_owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

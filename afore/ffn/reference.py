@@ -1,7 +1,7 @@
 """References for the FFN side: the monolithic MoE layer and random valid plans.
 
 ``dense_moe`` is the layer that any plan must reproduce (invariant 1); ``random_plan``
-draws plans that satisfy the plan contract (``afore.scheduler.plan.check_plan``) with
+draws plans that satisfy the plan contract (``afore.plan.check_plan``) with
 arbitrary placements, splits and slot states, for property tests and benchmarks that do
 not want to depend on one scheduler's choices.
 """
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from afore.config import ClusterShape
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.plan import Plan, SlotTable, Target
 
 
 def dense_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

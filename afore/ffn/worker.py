@@ -37,14 +37,14 @@ import time
 import msgspec
 import torch
 
-from afore.config import ClusterShape
+from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
-from afore.ffn.partition import bin_counts
-from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS, make_copy_engine
+from afore.routing import bin_counts
+from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
-from afore.scheduler.plan import Plan, primary_only_plan
+from afore.plan import Plan, primary_only_plan
 from afore.transport.connector import FFNConnector, Microbatch, TransportConfig
 
 log = logging.getLogger("afore.ffn.worker")

@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from afore.ffn.worker import DTYPES, FFNWorkerConfig, run_and_exit
-from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
+from afore.config import DEFAULT_COPY_RATE_GBPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

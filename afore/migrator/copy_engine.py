@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.migrator.pacing import copy_rate, plan_paced
 
 
@@ -304,9 +305,6 @@ def _transfers(job: CopyJob) -> list[_Transfer]:
             for d, s, n in ((job.dst_w13, job.src_w13, n13), (job.dst_w2, job.src_w2, n2)) if n]
 
 
-#: Copy rate cap while experts compute (GB/s): measured on H200s to keep the decode-size
-#: grouped GEMM within 3% of its time alone (``afore bench migration``, overlap part).
-DEFAULT_COPY_RATE_GBPS = 50.0
 #: Fixed cost of one paced chunk beyond its transfer at link rate (us): the transfer's start-up
 #: and the stream's switch between the copy and the sleep kernel; ~16 us measured on H200s.
 #: The engine corrects it from its own completed batches.

@@ -33,7 +33,7 @@ import torch
 from afore.config import ClusterShape
 from afore.migrator.copy_engine import CopyBatch, CopyEngine, CopyJob
 from afore.migrator.slot_pool import SlotPool
-from afore.scheduler.plan import Plan
+from afore.plan import Plan
 
 
 class WeightSource(Protocol):

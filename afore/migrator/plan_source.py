@@ -17,7 +17,7 @@ import threading
 import time
 
 from afore.config import ClusterShape
-from afore.scheduler.plan import Plan, Target
+from afore.plan import Plan, Target
 from afore.scheduler.plan_ring import PlanRing
 
 

@@ -4,7 +4,7 @@ One segment under /dev/shm, created and unlinked by the scheduler (the consumer)
 attention worker id writes its own lock-free single-producer ring (C++ atomics, ``afore._shm``).
 
 Ordering and completeness: a worker reports targets in strictly increasing ``seq``
-(``target_seq``: the FFN execution order). The consumer hands out a target once all A workers
+(``Target.seq``: the FFN execution order). The consumer hands out a target once all A workers
 reported it, with the sum of their vectors, in seq order. A target that cannot complete any
 more (a later target completed first, or its deadline passed) is dropped and counted as a miss;
 the FFN side then runs it on the primary-only assignment (DESIGN.md invariant 5).
@@ -29,7 +29,7 @@ import numpy as np
 
 from afore import _shm
 from afore.config import ClusterShape
-from afore.scheduler.plan import Target
+from afore.plan import Target
 
 
 class DemandReport(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -73,18 +73,6 @@ class MissedTarget:
     reason: str
 
 
-def target_seq(target: Target, num_layers: int, num_microbatches: int) -> int:
-    """The sequence number of ``target`` in FFN execution order (steps, then layers, then microbatches)."""
-    return (target.step * num_layers + target.layer) * num_microbatches + target.microbatch
-
-
-def seq_target(seq: int, num_layers: int, num_microbatches: int) -> Target:
-    """Inverse of ``target_seq``."""
-    step_layer, microbatch = divmod(seq, num_microbatches)
-    step, layer = divmod(step_layer, num_layers)
-    return Target(step, layer, microbatch)
-
-
 class DemandMailbox:
     """Consumer (scheduler) side: ``DemandMailbox.create``; producer side: ``DemandMailbox.attach``.
 
@@ -92,7 +80,7 @@ class DemandMailbox:
       name: segment name under /dev/shm (replaces a stale segment of a crashed run).
       shape: the pool's ClusterShape (num_experts, num_layers).
       num_producers: A, attention workers (<= 64).
-      num_microbatches: microbatches per layer and step (defines ``target_seq``).
+      num_microbatches: microbatches per layer and step (defines ``Target.seq``).
       capacity: entries per worker ring (a report is one entry).
       deadline_s: a target still incomplete this long after its first report is dropped (0 = never).
       max_pending: incomplete targets kept at most; beyond it the oldest is dropped.

@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from afore.prefetch.mailbox import DemandMailbox, DemandReport
-from afore.scheduler.plan import Target
+from afore.plan import Target
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class DemandClient:
             raise ValueError(f"microbatch: expected in [0, {w.num_microbatches}), got {target.microbatch}")
         if target.step < 0:
             raise ValueError(f"step: expected >= 0, got {target.step}")
-        seq = (target.step * w.num_layers + target.layer) * w.num_microbatches + target.microbatch
+        seq = target.seq(w.num_layers, w.num_microbatches)
         if seq <= self._last_seq.get(worker, -1):
             raise ValueError(f"target: duplicate or out-of-order report from worker {worker} (seq {seq})")
         self.sock.sendall(frame(DemandReport.make(target, worker, arr)))

@@ -65,7 +65,7 @@ import dataclasses
 import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
-from afore.scheduler.plan import Plan, SlotTable, Target, check_planning_types
+from afore.plan import Plan, SlotTable, Target, check_planning_types
 
 INT32_MAX = 2**31 - 1
 

@@ -26,7 +26,7 @@ import numpy as np
 from afore import _scheduler_core
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm
-from afore.scheduler.plan import Plan, SlotTable, Target, check_planning_types
+from afore.plan import Plan, SlotTable, Target, check_planning_types
 
 # Tile counts are below 2**31, so any theta >= 2**31 keeps every expert on its primary.
 THETA_CAP = 2**31

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from afore.config import ClusterShape, SchedulerParams
-from afore.scheduler.plan import SlotTable
+from afore.plan import SlotTable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
-from afore.scheduler.plan import SlotTable, Target
+from afore.plan import SlotTable, Target
 from afore.scheduler.plan_verify import verify_plan_json
 
 SHAPE_KEYS = ("num_experts", "num_workers", "redundant_slots", "m_tile")

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from afore.config import ClusterShape
-from afore.scheduler.plan import Plan, Target
+from afore.plan import Plan, Target
 
 MAGIC = b"AFPL"
 FORMAT_VERSION = 1

@@ -18,7 +18,7 @@ import time
 
 from afore import _shm
 from afore.config import ClusterShape
-from afore.scheduler.plan import Plan, Target
+from afore.plan import Plan, Target
 from afore.scheduler.plan_codec import decode_plan, encode_plan, max_encoded_length
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from afore.config import DEMAND_TOKEN_ENV, ClusterShape, CostModel, SchedulerPar
 from afore.prefetch.mailbox import DemandMailbox
 from afore.prefetch.receiver import DemandReceiver
 from afore.scheduler.metrics import SchedulerMetrics
-from afore.scheduler.plan import Target
+from afore.plan import Target
 from afore.scheduler.policies import Observation, make_policy
 from afore.scheduler.plan_ring import PlanRing, PublishTimeout
 
@@ -239,8 +239,7 @@ def _ready(name: str, pid: int) -> bool:
 
 def target_of(seq: int, config: ServiceConfig) -> Target:
     """The target of sequence number ``seq`` under ``config``."""
-    from afore.prefetch.mailbox import seq_target
-    return seq_target(seq, config.shape.num_layers, config.num_microbatches)
+    return Target.from_seq(seq, config.shape.num_layers, config.num_microbatches)
 
 
 __all__ = ["ServiceConfig", "SchedulerService", "start_scheduler_process", "scheduler_command", "make_service_policy",

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
+from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.serve.launcher import POLICIES, ROLES, ServeOptions, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)

@@ -43,7 +43,7 @@ import msgspec
 from tqdm import tqdm
 
 from afore.attention.role import DEMAND_TOKEN_ENV, AttentionRoleConfig
-from afore.migrator.copy_engine import DEFAULT_COPY_RATE_GBPS
+from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
 

@@ -146,7 +146,7 @@ def skew_stats(counts: np.ndarray) -> dict[str, np.ndarray]:
 def iter_targets(counts: np.ndarray):
     """(Target, seq, demand int64[E]) in FFN execution order (steps, then layers, then
     microbatches) over counts[S, L, M, E]."""
-    from afore.scheduler.plan import Target
+    from afore.plan import Target
 
     s_, l_, m_, _ = counts.shape
     seq = 0

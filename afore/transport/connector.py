@@ -51,7 +51,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from afore.scheduler.plan import Target
+from afore.plan import Target
 
 MAGIC = 0xAF0E
 HEADER_LEN = 9

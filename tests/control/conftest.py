@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from afore.config import ClusterShape
-from afore.scheduler.plan import Plan, Target, primary_only_plan
+from afore.plan import Plan, Target, primary_only_plan
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def test_measure_reports_both_paths(tmp_path):
 
 def test_sample_plan_is_a_valid_full_plan():
     from afore.config import ClusterShape
-    from afore.scheduler.plan import check_plan
+    from afore.plan import check_plan
     shape = ClusterShape(num_experts=128, num_workers=8, redundant_slots=2, m_tile=16)
     plan = transport.sample_plan(shape, 3, np.random.default_rng(0))
     check_plan(shape, plan)

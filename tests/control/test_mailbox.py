@@ -8,8 +8,8 @@ import pytest
 
 from afore import _shm
 from afore.config import ClusterShape
-from afore.prefetch.mailbox import DemandMailbox, DemandReport, seq_target, target_seq
-from afore.scheduler.plan import Target
+from afore.prefetch.mailbox import DemandMailbox, DemandReport
+from afore.plan import Target
 
 SHAPE = ClusterShape(num_experts=16, num_workers=4, num_layers=3, top_k=4)
 
@@ -29,9 +29,9 @@ def mailbox(seg_name):
 
 def test_seq_is_the_ffn_execution_order():
     targets = [Target(s, l, m) for s in range(3) for l in range(4) for m in range(2)]
-    seqs = [target_seq(t, 4, 2) for t in targets]
+    seqs = [t.seq(4, 2) for t in targets]
     assert seqs == list(range(len(targets)))
-    assert [seq_target(s, 4, 2) for s in seqs] == targets
+    assert [Target.from_seq(s, 4, 2) for s in seqs] == targets
 
 
 def test_complete_target_is_the_sum_in_seq_order(mailbox):
@@ -43,7 +43,7 @@ def test_complete_target_is_the_sum_in_seq_order(mailbox):
             assert producer.put(t, w, counts(10 * i + w))
     for i, t in enumerate(targets):
         got = mb.wait_complete(1.0)
-        assert got.target == t and got.seq == target_seq(t, 3, 2)
+        assert got.target == t and got.seq == t.seq(3, 2)
         np.testing.assert_array_equal(got.demand, sum(counts(10 * i + w).astype(np.int64) for w in range(3)))
         written_ns, complete_ns = mb.last_stamps
         assert 0 < written_ns <= complete_ns

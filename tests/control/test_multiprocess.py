@@ -12,8 +12,8 @@ import pytest
 
 from afore.config import ClusterShape
 from afore.migrator.plan_source import RingPlanSource
-from afore.prefetch.mailbox import DemandMailbox, seq_target
-from afore.scheduler.plan import check_plan
+from afore.prefetch.mailbox import DemandMailbox
+from afore.plan import Target, check_plan
 from afore.scheduler.plan_ring import PlanRing, wait_for_segment
 from afore.scheduler.service import SchedulerService, ServiceConfig, start_scheduler_process
 
@@ -32,7 +32,7 @@ def produce(name: str, worker: int, num_targets: int, jitter_s: float) -> None:
     mailbox = DemandMailbox.attach(name)
     rng = random.Random(worker)
     for seq in range(num_targets):
-        assert mailbox.put(seq_target(seq, SHAPE.num_layers, MICROBATCHES), worker, demand_of(seq, worker), timeout_s=5.0)
+        assert mailbox.put(Target.from_seq(seq, SHAPE.num_layers, MICROBATCHES), worker, demand_of(seq, worker), timeout_s=5.0)
         if jitter_s:
             time.sleep(rng.random() * jitter_s)
 
@@ -44,7 +44,7 @@ def consume(name: str, reader: int, num_targets: int, timeout_s: float, queue) -
     queue.put(("ready", reader))
     digest = hashlib.sha256()
     for seq in range(num_targets):
-        target = seq_target(seq, SHAPE.num_layers, MICROBATCHES)
+        target = Target.from_seq(seq, SHAPE.num_layers, MICROBATCHES)
         plan = source.get(target, seq, timeout_s)
         if plan is None:
             continue
@@ -111,7 +111,7 @@ def hammer_reader(name: str, reader: int, seconds: float, queue) -> None:
 
 
 def stress_plan(seq: int):
-    from afore.scheduler.plan import Target, primary_only_plan
+    from afore.plan import Target, primary_only_plan
     demand = np.random.default_rng(seq).integers(0, 1000, SHAPE.num_experts)
     return primary_only_plan(SHAPE, demand, Target(seq, 0, 0), seq)
 
@@ -197,10 +197,10 @@ def test_scheduler_killed_readers_miss_then_recover_after_restart(seg_name):
     producer = DemandMailbox.attach(cfg.mailbox)
 
     def report(seq):
-        producer.put(seq_target(seq, SHAPE.num_layers, MICROBATCHES), 0, demand_of(seq, 0), timeout_s=0.01)
+        producer.put(Target.from_seq(seq, SHAPE.num_layers, MICROBATCHES), 0, demand_of(seq, 0), timeout_s=0.01)
 
     def get(seq, timeout):
-        return source.get(seq_target(seq, SHAPE.num_layers, MICROBATCHES), seq, timeout)
+        return source.get(Target.from_seq(seq, SHAPE.num_layers, MICROBATCHES), seq, timeout)
 
     try:
         for seq in range(3):

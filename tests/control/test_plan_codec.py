@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from afore.config import ClusterShape
-from afore.scheduler.plan import Target, check_plan, primary_only_plan
+from afore.plan import Target, check_plan, primary_only_plan
 from afore.scheduler.plan_codec import decode_plan, encode_plan, max_encoded_length
 
 SHAPE = ClusterShape(num_experts=32, num_workers=4, num_layers=3, redundant_slots=2, m_tile=8, top_k=4)

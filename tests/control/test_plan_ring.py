@@ -7,7 +7,7 @@ import pytest
 
 from afore import _shm
 from afore.config import ClusterShape
-from afore.scheduler.plan import Target, primary_only_plan
+from afore.plan import Target, primary_only_plan
 from afore.scheduler.plan_codec import encode_plan
 from afore.scheduler.plan_ring import PlanRing, PublishTimeout
 

@@ -9,7 +9,7 @@ import pytest
 from afore.config import ClusterShape
 from afore.prefetch.mailbox import DemandMailbox, DemandReport
 from afore.prefetch.receiver import PROTOCOL_VERSION, DemandClient, DemandReceiver, Hello, frame
-from afore.scheduler.plan import Target
+from afore.plan import Target
 
 SHAPE = ClusterShape(num_experts=16, num_workers=2, num_layers=2, top_k=2)
 

@@ -13,7 +13,7 @@ from afore.config import ClusterShape
 from afore.migrator.plan_source import QueuePlanSource, RingPlanSource
 from afore.prefetch.mailbox import DemandMailbox
 from afore.prefetch.receiver import DemandClient
-from afore.scheduler.plan import Target, check_plan, primary_only_plan
+from afore.plan import Target, check_plan, primary_only_plan
 from afore.scheduler.service import SchedulerService, ServiceConfig, start_scheduler_process
 from afore.scheduler.service_cli import parse_shape
 

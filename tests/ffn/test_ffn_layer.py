@@ -10,7 +10,7 @@ from afore.ffn.layer import FFNLayer
 from afore.ffn.partition import ordinal_intervals, pair_ordinals, worker_pairs
 from afore.ffn.reference import dense_moe, random_plan, random_routing, random_slot_table
 from afore.migrator.slot_pool import SlotPool
-from afore.scheduler.plan import Target, check_plan, primary_only_plan
+from afore.plan import Target, check_plan, primary_only_plan
 
 H, I = 16, 8
 
@@ -157,7 +157,7 @@ def test_scheduler_plans_over_a_sequence_of_targets(seed, f):
     """Plans from Algorithm 1 (evolving slot table, copies applied as the migrator would)."""
     from afore.config import CostModel, SchedulerParams
     from afore.scheduler.algorithm import schedule
-    from afore.scheduler.plan import SlotTable
+    from afore.plan import SlotTable
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)

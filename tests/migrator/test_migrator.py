@@ -12,7 +12,7 @@ from afore.ffn.reference import dense_moe
 from afore.migrator.copy_engine import SyncCopyEngine, ThreadCopyEngine
 from afore.migrator.migrator import HostWeightsSource, Migrator
 from afore.migrator.slot_pool import SlotPool
-from afore.scheduler.plan import Target, check_plan, primary_only_plan
+from afore.plan import Target, check_plan, primary_only_plan
 
 H, I = 16, 8
 SHAPE = ClusterShape(num_experts=4, num_workers=2, redundant_slots=1, top_k=1, m_tile=1)

@@ -5,7 +5,7 @@ import pytest
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm
-from afore.scheduler.plan import SlotTable, Target, check_plan
+from afore.plan import SlotTable, Target, check_plan
 from afore.scheduler.policies import POLICY_NAMES, REGISTRY, Observation, make_policy
 from afore.scheduler.policies.base import migration_ms, overlapped_ms, slots_with_work
 from afore.scheduler.policies.eplb import apply_layout, rebalance, replicate

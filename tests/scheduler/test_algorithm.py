@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm, core
-from afore.scheduler.plan import SlotTable, Target, check_plan, primary_only_plan
+from afore.plan import SlotTable, Target, check_plan, primary_only_plan
 
 T0 = Target(step=0, layer=0, microbatch=0)
 FREE_COPIES = CostModel(beta_tile_ms=0.01, copy_latency_ms=0.001, bytes_per_expert=0, window_ms=1.0)

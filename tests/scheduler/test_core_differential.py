@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm, core
-from afore.scheduler.plan import Plan, SlotTable, Target, check_plan
+from afore.plan import Plan, SlotTable, Target, check_plan
 
 PLAN_ARRAYS = ("demand", "replicas", "assignment", "tiles", "slot", "copies", "tile_load")
 

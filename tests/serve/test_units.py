@@ -11,7 +11,7 @@ import pytest
 import torch
 from servers import tiny
 
-from afore.attention.demand import count_demand
+from afore.routing import count_demand
 from afore.attention.role import AttentionRoleConfig, load_from_env
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.ffn.layer import FFNLayer
@@ -19,7 +19,7 @@ from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator
 from afore.migrator.slot_pool import SlotPool
 from afore.models.checkpoint import load_routed_experts, read_model_spec
-from afore.scheduler.plan import Target, check_plan
+from afore.plan import Target, check_plan
 from afore.scheduler.policies import Observation, make_policy
 from afore.serve.launcher import ServeOptions, check_shape, read_serving_spec, serving_dtype
 

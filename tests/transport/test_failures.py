@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from afore.scheduler.plan import Target
+from afore.plan import Target
 from afore.transport.connector import AttentionConnector, FFNConnector, TransportConfig, host_store, wait_for_ffn
 
 HIDDEN, TOP_K, TIMEOUT_S = 8, 2, 2.0

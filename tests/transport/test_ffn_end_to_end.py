@@ -17,7 +17,7 @@ import torch
 from afore.config import ClusterShape
 from afore.ffn.reference import dense_moe, random_plan, random_routing
 from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
-from afore.scheduler.plan import SlotTable, Target
+from afore.plan import SlotTable, Target
 from afore.transport.connector import AttentionConnector, TransportConfig
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 
 from afore.config import ClusterShape
 from afore.ffn.reference import dense_moe, random_plan, random_routing
-from afore.scheduler.plan import SlotTable, Target
+from afore.plan import SlotTable, Target
 from afore.transport.connector import AttentionConnector, TransportConfig
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from afore.scheduler.plan import Target
+from afore.plan import Target
 from afore.transport.connector import HEADER_LEN, MAGIC, TransportConfig, _header, check_header
 
 CFG = TransportConfig("127.0.0.1", 29999, 2, 3, hidden=16, top_k=4, dtype=torch.float32)

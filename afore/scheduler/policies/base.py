@@ -22,7 +22,7 @@ import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.scheduler import algorithm
-from afore.scheduler.plan import Plan, SlotTable, Target, check_plan, check_planning_types
+from afore.plan import Plan, SlotTable, Target, check_plan, check_planning_types
 
 
 @dataclasses.dataclass(frozen=True)

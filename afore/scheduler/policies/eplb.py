@@ -32,7 +32,7 @@ import collections
 import numpy as np
 
 from afore.config import ClusterShape
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.plan import Plan, SlotTable, Target
 from afore.scheduler.policies.base import (LayerState, Policy, assemble_plan, bound_placement, even_split, migration_ms,
                                            overlapped_ms, register)
 

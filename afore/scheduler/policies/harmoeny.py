@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.plan import Plan, SlotTable, Target
 from afore.scheduler.policies.base import (LayerState, Policy, assemble_plan, bound_placement, free_slot, migration_ms,
                                            register)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.plan import Plan, SlotTable, Target
 from afore.scheduler.policies.base import (LayerState, Policy, assign_over_placement, overlapped_ms, register,
                                            replicate_predicted, scheduler_fn)
 

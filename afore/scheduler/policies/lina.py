@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.plan import Plan, SlotTable, Target
 from afore.scheduler.policies.base import (LayerState, Policy, assemble_plan, bound_placement, even_split, overlapped_ms,
                                            register, replicate_predicted)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from afore.scheduler.plan import Plan, SlotTable, Target
+from afore.plan import Plan, SlotTable, Target
 from afore.scheduler.policies.base import LayerState, Policy, assemble_plan, register
 
 

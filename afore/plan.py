@@ -32,6 +32,17 @@ class Target:
     layer: int
     microbatch: int
 
+    def seq(self, num_layers: int, num_microbatches: int) -> int:
+        """The sequence number in FFN execution order (steps, then layers, then microbatches)."""
+        return (self.step * num_layers + self.layer) * num_microbatches + self.microbatch
+
+    @classmethod
+    def from_seq(cls, seq: int, num_layers: int, num_microbatches: int) -> "Target":
+        """Inverse of ``seq``."""
+        step_layer, microbatch = divmod(seq, num_microbatches)
+        step, layer = divmod(step_layer, num_layers)
+        return cls(step, layer, microbatch)
+
 
 def check_planning_types(shape: object, params: object, cost: object,
                          target: object = None, seq: object = None, *, with_target: bool = False) -> None:

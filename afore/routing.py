@@ -1,0 +1,26 @@
+"""Counting token-expert pairs of a routing result, on its device, without a host sync.
+
+Used by both halves of the data path: the attention side counts each target's demand
+(``count_demand``) and the FFN side counts pairs per expert or slot (``bin_counts``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bin_counts(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int64[num_bins]: occurrences of each id in [0, num_bins). Unlike ``torch.bincount``
+    on CUDA this never synchronises with the host (bincount reads the maximum first)."""
+    ids = ids.long()
+    return torch.zeros(num_bins, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+def count_demand(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64[E] on the ids' device: how many token-expert pairs each expert got.
+
+    Ids outside [0, E) (padding rows some routers mark with -1) are not counted.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < num_experts)
+    return bin_counts(torch.where(valid, flat, num_experts), num_experts + 1)[:num_experts]
