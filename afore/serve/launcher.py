@@ -17,15 +17,15 @@ once (the connector reports the closed peer; a silent one times out after
 ``exchange_timeout_s``), vLLM's engine dies and its ``/health`` turns non-200; the
 scheduler dying only costs plans (FFN workers fall back to primary-only plans).
 SIGINT/SIGTERM stop everything in reverse order, wait for every child (killing
-stragglers), and remove the shared-memory segments. A small admin endpoint (``--admin-port``) reports the
-processes and switches the placement policy of the running server by restarting the
-scheduler with the new policy (no request is lost: plans are advisory).
+stragglers), and remove the shared-memory segments. The admin endpoint (``--admin-port``,
+:mod:`afore.serve.admin`) reports the processes and switches the placement policy of the running
+server through :meth:`Launcher.switch_policy`, which restarts the scheduler with the new policy (no
+request is lost: plans are advisory).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import json
 import logging
 import math
@@ -224,7 +224,7 @@ class Launcher:
         self.policy = opts.policy
         tag = f"afore-{os.getpid()}"
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
-        self._admin: http.server.ThreadingHTTPServer | None = None
+        self._admin = None  # afore.serve.admin.AdminServer once started
         self._stopping = threading.Event()
         self._lock = threading.RLock()
         self._main_thread = threading.current_thread()
@@ -480,43 +480,12 @@ class Launcher:
         self._unlink_segments()
 
     def start_admin(self) -> None:
+        """The admin endpoint (afore.serve.admin) on ``opts.admin``, unless it is off (-1)."""
         if self.opts.admin < 0:
             return
-        launcher = self
+        from afore.serve.admin import AdminServer
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                if self.path == "/afore/status":
-                    return self._reply(200, launcher.status())
-                self._reply(404, {"error": f"unknown path {self.path}"})
-
-            def do_POST(self):
-                if self.path != "/afore/policy":
-                    return self._reply(404, {"error": f"unknown path {self.path}"})
-                try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                    if not isinstance(body, dict):
-                        raise ValueError("body: expected a JSON object {\"policy\": NAME}")
-                    launcher.switch_policy(str(body.get("policy", "")))
-                except (ValueError, json.JSONDecodeError) as exc:
-                    return self._reply(400, {"error": str(exc)})
-                except Exception as exc:  # the scheduler failed to start: serving goes on primary-only
-                    return self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
-                self._reply(200, launcher.status())
-
-            def log_message(self, fmt, *args):
-                log.debug(fmt, *args)
-
-        self._admin = http.server.ThreadingHTTPServer((self.opts.host, self.opts.admin), Handler)
-        threading.Thread(target=self._admin.serve_forever, name="afore-admin", daemon=True).start()
+        self._admin = AdminServer(self, self.opts.host, self.opts.admin).start()
 
     # ---- run and stop
     def supervise(self) -> int:
@@ -547,8 +516,7 @@ class Launcher:
 
     def shutdown(self) -> None:
         if self._admin is not None:
-            self._admin.shutdown()
-            self._admin.server_close()
+            self._admin.stop()
             self._admin = None
         if self.server is not None:
             _stop(self.server.proc, 30.0)
