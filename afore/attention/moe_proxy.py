@@ -72,12 +72,13 @@ class TorchLink:
         from afore.transport.connector import AttentionConnector, TransportConfig
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-        # same backend as the FFN workers: gloo on CPU, NCCL on CUDA (this process's current GPU)
+        # same backend as the FFN workers: by default gloo on CPU, NCCL on CUDA (this process's
+        # current GPU); gloo on CUDA stages through the host (workers sharing one GPU)
         cuda = cfg.device == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         tcfg = TransportConfig(host=cfg.store_host, port=cfg.store_port, num_attention=cfg.attn_workers,
                                num_ffn=cfg.ffn_workers, hidden=cfg.hidden, top_k=cfg.top_k, dtype=dtype,
-                               backend="nccl" if cuda else "gloo", timeout_s=cfg.exchange_timeout_s,
+                               backend=cfg.backend or ("nccl" if cuda else "gloo"), timeout_s=cfg.exchange_timeout_s,
                                store_on_rank0=cfg.store_master)
         self.conn = AttentionConnector(tcfg, worker, device)
         self.dtype = dtype

@@ -43,6 +43,9 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     store_host: str = "127.0.0.1"
     dtype: str = "float32"
     device: str = "cpu"           # cpu: gloo; cuda: NCCL (as the FFN workers)
+    backend: str = ""             # torch.distributed backend, as the FFN workers': "" = gloo on CPU,
+                                  # nccl on CUDA; "gloo" on CUDA stages tensors through the host
+                                  # (workers sharing one GPU: NCCL cannot hold them)
     microbatches: int = 2
     mailbox: str = ""             # DemandMailbox segment name (attention on the FFN node)
     demand: str = ""              # "host:port" of the FFN node's demand receiver (attention on
@@ -71,6 +74,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if self.backend not in ("", "gloo", "nccl"):
+            raise ValueError(f"backend: expected '', 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError(f"backend: nccl needs device 'cuda', got {self.device!r}")
         if self.mailbox and self.demand:
             raise ValueError("mailbox, demand: expected one demand path, got both")
         if self.demand:
