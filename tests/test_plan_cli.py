@@ -12,6 +12,7 @@ import pytest
 from afore.cli import main
 from afore.scheduler import plan_verify
 from afore.scheduler.plan_verify import verify_plan_json
+from afore.scheduler.policies import POLICY_NAMES, REGISTRY
 
 E, F, R = 16, 4, 2
 
@@ -40,12 +41,13 @@ def _plan(tmp_path, *extra):
     return rc, (json.loads(out.read_text()) if out.exists() else None)
 
 
-@pytest.mark.parametrize("policy", ["afore", "static", "eplb", "harmoeny", "lina", "libra", "afore-no-prefetch", "afore-no-overlap"])
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_plan_json_verifies(tmp_path, policy):
     _write_inputs(tmp_path)
     rc, doc = _plan(tmp_path, "--policy", policy)
     assert rc == 0
     assert doc["format"] == "afore-plan/1" and doc["inputs"]["policy"] == policy
+    assert doc["inputs"]["budgeted"] is REGISTRY[policy].BUDGETED
     assert verify_plan_json(doc) == []
     p = doc["plan"]
     assert [sum(row) for row in p["assignment"]] == doc["inputs"]["demand"]
@@ -131,8 +133,10 @@ def _corruptions():
         doc["inputs"]["params"]["copy_budget"] = 0
     def primary_moved(doc):
         doc["plan"]["slot"][0][0] = 3
+    def budgeted_missing(doc):
+        del doc["inputs"]["budgeted"]
     return [bump_assignment, split_partial, wrong_tile_load, drop_copy, copy_from_wrong_worker, copy_into_protected,
-            work_without_replica, over_budget, primary_moved]
+            work_without_replica, over_budget, primary_moved, budgeted_missing]
 
 
 @pytest.mark.parametrize("corrupt", _corruptions(), ids=lambda f: f.__name__)
@@ -145,6 +149,18 @@ def test_verifier_catches_corruption(tmp_path, corrupt):
     bad = copy.deepcopy(doc)
     corrupt(bad)
     assert verify_plan_json(bad) != []
+
+
+def test_unbudgeted_plan_may_exceed_the_budget_budgeted_may_not(tmp_path):
+    demand = [64] * E
+    demand[1] = 640
+    _write_inputs(tmp_path, demand=demand)
+    rc, doc = _plan(tmp_path)
+    assert rc == 0 and len(doc["plan"]["copies"]) >= 1
+    doc["inputs"]["params"]["copy_budget"] = 0
+    assert any("budget" in e for e in verify_plan_json(doc))
+    doc["inputs"]["budgeted"] = False  # what EPLB's plans declare: the budget does not apply
+    assert verify_plan_json(doc) == []
 
 
 def test_verifier_script_is_standalone(tmp_path):

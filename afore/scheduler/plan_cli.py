@@ -19,7 +19,7 @@ STATE (every key optional except the shape, which may come from ``--shape`` inst
     num_workers, redundant_slots, m_tile, theta, copy_budget, the cost fields, step, layer,
     microbatch, seq.
 
-Output: ``{"format": "afore-plan/1", "inputs": {...every input, cost.copy_ms...}, "plan":
+Output: ``{"format": "afore-plan/1", "inputs": {...every input, cost.copy_ms, budgeted...}, "plan":
 Plan.to_json(), "slot_table_after": {...}}`` -- everything ``afore/scheduler/plan_verify.py``
 (standard library only) needs to check the plan without afore. Bad input: a message naming the
 field, exit code 2.
@@ -224,6 +224,7 @@ def plan_document(demand_doc: object, state_doc: object, override_shape: str | N
         "format": "afore-plan/1",
         "inputs": {
             "policy": policy_name,
+            "budgeted": policy.BUDGETED,  # at most params.copy_budget copies (plan_verify checks it)
             "shape": {k: getattr(shape, k) for k in ("num_experts", "num_workers", "num_layers", "redundant_slots", "m_tile", "top_k")},
             "demand": demand.tolist(),
             "slot_table": {"expert": table.expert.tolist(), "last_used": table.last_used.tolist()},

@@ -10,15 +10,14 @@ fixed primaries (contiguous blocks; the first E mod F workers own one more), the
 assignment covers the demand exactly, work runs only on replicas, tiles = ceil(a / M_tile) with at
 most one partial tile per expert, tile loads are the column sums, slots are within K_w and
 distinct, primaries sit at their fixed slots, every new redundant binding has a copy from the
-primary, no copy overwrites a protected slot, and (for budgeted policies) at most B copies.
+primary, no copy overwrites a protected slot, and, when ``inputs.budgeted`` is true (the policy
+keeps a per-target copy budget: every policy but static and EPLB), at most B copies.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-
-UNBUDGETED_POLICIES = ("static", "eplb", "eplb-async")  # EPLB re-lays whole layers, no per-target budget
 
 
 def _primaries(num_experts: int, num_workers: int) -> tuple[list[int], list[int], list[int]]:
@@ -141,7 +140,10 @@ def verify_plan_json(doc: object) -> list[str]:
             e = table[w][r]
             if protected[w][r] and e >= 0 and slot[e][w] != pcount[w] + r:
                 errors.append(f"slot: protected slot {r} of worker {w} lost its expert {e}")
-    if inp.get("policy") not in UNBUDGETED_POLICIES and len(copies) > budget:
+    budgeted = inp.get("budgeted")
+    if not isinstance(budgeted, bool):
+        errors.append(f"budgeted: expected true or false (whether the policy keeps the copy budget B), got {budgeted!r}")
+    elif budgeted and len(copies) > budget:
         errors.append(f"copies: {len(copies)} copies, budget B is {budget}")
     after = doc.get("slot_table_after")
     if isinstance(after, dict) and isinstance(after.get("expert"), list):

@@ -7,7 +7,8 @@ import logging
 import sys
 
 from afore.config import DEFAULT_COPY_RATE_GBPS
-from afore.serve.launcher import POLICIES, ROLES, ServeOptions, serve
+from afore.scheduler.policies import POLICY_NAMES
+from afore.serve.launcher import ROLES, ServeOptions, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="Hugging Face MoE checkpoint directory (default: the built-in tiny Qwen3-MoE, built once under ~/.cache/afore)")
     parser.add_argument("--attn-workers", type=int, default=1, help="data-parallel vLLM attention workers (A)")
     parser.add_argument("--ffn-workers", type=int, default=2, help="FFN workers holding the routed experts (F; F > A is fine)")
-    parser.add_argument("--policy", default="afore", choices=POLICIES, help="expert placement policy (switchable later: POST /afore/policy on the admin port)")
+    parser.add_argument("--policy", default="afore", choices=POLICY_NAMES, help="expert placement policy (switchable later: POST /afore/policy on the admin port)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="OpenAI-compatible API port")

@@ -46,11 +46,11 @@ from afore.attention.role import DEMAND_TOKEN_ENV, AttentionRoleConfig
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
+from afore.scheduler.policies import POLICY_NAMES
 
 log = logging.getLogger("afore.serve")
 
 ROLES = ("all", "ffn", "attention")
-POLICIES = ("static", "eplb", "eplb-async", "harmoeny", "lina", "libra", "afore", "afore-no-prefetch", "afore-no-overlap")
 
 
 class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,8 +85,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"attn_workers: expected >= 1, got {self.attn_workers}")
         if self.ffn_workers < 1:
             raise ValueError(f"ffn_workers: expected >= 1, got {self.ffn_workers}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if not 1 <= self.port <= 65535:
@@ -442,8 +442,8 @@ class Launcher:
         Callable from any thread: the restart itself runs on the supervising (main) thread,
         because a child's parent-death signal is tied to the thread that started it.
         """
-        if policy not in POLICIES:
-            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {policy!r}")
         if self.opts.role == "attention":
             raise ValueError(f"policy: the scheduler runs on the FFN node ({self.opts.ffn_host}); "
                              "switch the policy at that node's admin endpoint")

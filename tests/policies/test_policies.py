@@ -1,10 +1,12 @@
 """Every policy behind the one interface: valid plans, exact demand coverage, its own behaviour."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
-from afore.scheduler import algorithm
+from afore.scheduler import algorithm, policies
 from afore.plan import SlotTable, Target, check_plan
 from afore.scheduler.policies import POLICY_NAMES, REGISTRY, Observation, make_policy
 from afore.scheduler.policies.base import migration_ms, overlapped_ms, slots_with_work
@@ -14,7 +16,6 @@ from afore.traces.synthetic import SyntheticSpec, generate
 SHAPE = ClusterShape(num_experts=32, num_workers=4, num_layers=2, redundant_slots=2, m_tile=8, top_k=4)
 PARAMS = SchedulerParams(theta=0, copy_budget=3)
 COST = CostModel()
-BUDGETED = {"harmoeny", "lina", "libra", "afore", "afore-no-prefetch", "afore-no-overlap"}
 
 
 def _trace(steps=8, seed=0):
@@ -35,8 +36,11 @@ def _replay(policy, counts):
                 seq += 1
 
 
-def test_registry_has_every_policy():
-    assert set(POLICY_NAMES) == set(REGISTRY)
+def test_registry_has_every_policy_module_and_lists_baselines_first():
+    folder = Path(policies.__file__).parent
+    modules = {f"afore.scheduler.policies.{p.stem}" for p in folder.glob("*.py") if p.stem not in ("__init__", "base")}
+    assert {cls.__module__ for cls in REGISTRY.values()} == modules
+    assert POLICY_NAMES[0] == "static" and POLICY_NAMES.index("afore") > POLICY_NAMES.index("eplb")
     with pytest.raises(ValueError, match="policy"):
         make_policy("nope", SHAPE, PARAMS, COST)
     with pytest.raises(ValueError, match="options"):
@@ -59,7 +63,7 @@ def test_plans_are_valid_and_cover_actual_demand(name):
         # protected bindings survive the plan
         for w, r in zip(*np.nonzero(protected)):
             assert plan.slot[before.expert[w, r], w] == pcount[w] + r
-        if name in BUDGETED:
+        if REGISTRY[name].BUDGETED:
             assert len(plan.copies) <= PARAMS.copy_budget
         assert plan.exposed_ms >= 0
         copies_seen += len(plan.copies)

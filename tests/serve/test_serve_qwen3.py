@@ -18,10 +18,10 @@ import time
 import pytest
 
 from servers import PROMPTS, AforeServer, alive, assert_same_generation, free_port_pair, http, needs_vllm
+from afore.scheduler.policies import POLICY_NAMES
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 
-POLICIES = ["static", "eplb", "eplb-async", "harmoeny", "lina", "libra", "afore", "afore-no-prefetch", "afore-no-overlap"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def a2f2(model, want, log_dir):
     server.stop()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_a1f2_every_policy_token_identical(a1f2, want, policy):
     code, status = a1f2.set_policy(policy)
     assert code == 200, status
@@ -181,7 +181,7 @@ def test_a1f2_ffn_worker_killed_fails_fast_and_unhealthy(a1f2):
     assert a1f2.health() != 200
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_a2f2_every_policy_token_identical(a2f2, want, policy):
     code, status = a2f2.set_policy(policy)
     assert code == 200, status

@@ -91,6 +91,10 @@ class Policy(abc.ABC):
     # ``check_plans``); the C++ core is held to the reference by differential tests instead, and
     # check_plan costs more than planning at large EP (about 1.3 ms at F = 128).
     CHECK_BY_DEFAULT: ClassVar[bool] = True
+    # At most params.copy_budget copies per target (B). EPLB re-lays whole layers at its period
+    # and static never copies, so they declare False; ``afore plan`` writes it into the plan's
+    # inputs ("budgeted"), where plan_verify reads it.
+    BUDGETED: ClassVar[bool] = True
 
     def __init__(self, shape: ClusterShape, params: SchedulerParams, cost: CostModel, **options: object) -> None:
         check_planning_types(shape, params, cost)

@@ -131,6 +131,7 @@ class _EplbState:
 @register("eplb")
 class EplbPolicy(Policy):
     OPTIONS = {"window": 64, "period": 32, "num_nodes": 1}
+    BUDGETED = False
     overlapped = False
 
     def __init__(self, *args, **options) -> None:

@@ -16,6 +16,8 @@ from afore.scheduler.policies.base import LayerState, Policy, assemble_plan, reg
 
 @register("static")
 class StaticPolicy(Policy):
+    BUDGETED = False
+
     def _plan(self, target: Target, seq: int, demand: np.ndarray, state: LayerState) -> tuple[Plan, SlotTable]:
         shape = self.shape
         tiles = np.zeros((shape.num_experts, shape.num_workers), np.int64)
