@@ -8,7 +8,7 @@ import sys
 
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.scheduler.policies import POLICY_NAMES
-from afore.serve.launcher import ROLES, ServeOptions, serve
+from afore.serve.launcher import ROLES, TRANSPORTS, ServeOptions, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-rate-gbps", type=float, default=DEFAULT_COPY_RATE_GBPS,
                         help="GPU FFN workers: expert copy pull rate while experts compute (0 = full rate; see docs/ffn-side.md)")
     parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
+    parser.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                        help="A2F/F2A path: torch-nccl (one GPU per worker), torch-gloo (CPU, or CUDA tensors staged "
+                             "through the host: workers sharing a GPU); auto = gloo on CPU or shared GPUs, else NCCL")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="auto", help="vLLM --dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager (faster start, no torch.compile)")
@@ -53,7 +56,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
                         redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
-                        colocate=args.colocate, max_model_len=args.max_model_len, dtype=args.dtype,
+                        colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, dtype=args.dtype,
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg))
 

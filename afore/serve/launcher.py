@@ -51,6 +51,10 @@ from afore.scheduler.policies import POLICY_NAMES
 log = logging.getLogger("afore.serve")
 
 ROLES = ("all", "ffn", "attention")
+# A2F/F2A transports: torch.distributed with NCCL (one GPU per worker) or gloo (CPU, or CUDA
+# tensors staged through the host: workers sharing a GPU, which NCCL cannot hold); auto = gloo
+# on CPU and where workers share a GPU, NCCL otherwise.
+TRANSPORTS = ("auto", "torch-nccl", "torch-gloo")
 
 
 class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -72,6 +76,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     demand_port: int = 29601        # split roles: the FFN node's demand receiver port
     copy_rate_gbps: float = DEFAULT_COPY_RATE_GBPS  # GPU FFN workers: copy pull rate while experts compute; 0 = full rate
     colocate: bool = False
+    transport: str = "auto"         # TRANSPORTS
     max_model_len: int = 2048
     enforce_eager: bool = False
     dtype: str = "auto"
@@ -89,6 +94,10 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "torch-nccl" and self.device != "cuda":
+            raise ValueError(f"transport: torch-nccl needs --device cuda, got {self.device!r}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port: expected in [1, 65535], got {self.port}")
         if self.metrics_port and not 1 <= self.metrics_port <= 65535 - 1 - self.ffn_workers:
@@ -173,7 +182,9 @@ def serving_dtype(requested: str, config: dict) -> str:
 
 def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
     """Refuse impossible shapes before starting anything (ValueError with the fix). Each role
-    counts the workers it runs on this node: A + F, F (role ffn) or A (role attention)."""
+    counts the workers it runs on this node: A + F, F (role ffn) or A (role attention). On CPU
+    the workers share the cores without asking (they block, never spin: the three processes of
+    a plain ``afore serve`` fit two cores); on GPUs more workers than GPUs need ``--colocate``."""
     if spec.num_experts < opts.ffn_workers:
         raise ValueError(f"ffn_workers: expected at most {spec.num_experts} (the model's experts per layer), got {opts.ffn_workers}")
     if devices < 1:
@@ -181,9 +192,25 @@ def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
     here = {"all": ("attn_workers + ffn_workers", opts.attn_workers + opts.ffn_workers),
             "ffn": ("ffn_workers", opts.ffn_workers), "attention": ("attn_workers", opts.attn_workers)}
     name, needed = here[opts.role]
-    if needed > devices and not opts.colocate:
-        raise ValueError(f"{name}: {needed} workers need {needed} {opts.device} devices, "
-                         f"{devices} available; pass --colocate to share devices")
+    if opts.device == "cuda" and needed > devices and not opts.colocate:
+        raise ValueError(f"{name}: {needed} workers need {needed} GPUs, "
+                         f"{devices} available; pass --colocate to share GPUs")
+    if transport_backend(opts, devices) == "nccl" and needed > devices:
+        raise ValueError(f"transport: NCCL cannot hold several workers on one GPU ({needed} workers, {devices} GPUs); "
+                         "pass --transport torch-gloo")
+
+
+def transport_backend(opts: ServeOptions, devices: int) -> str:
+    """The torch.distributed backend of ``opts.transport`` on this node ("gloo" or "nccl").
+    ``auto`` with a split role is NCCL on CUDA: both nodes must pick the same backend and each
+    sees only its own GPUs."""
+    if opts.transport == "torch-nccl":
+        return "nccl"
+    if opts.transport == "torch-gloo" or opts.device != "cuda":
+        return "gloo"
+    if opts.role != "all":
+        return "nccl"
+    return "nccl" if opts.attn_workers + opts.ffn_workers <= devices else "gloo"
 
 
 def resolve_model(opts: ServeOptions) -> str:
@@ -230,6 +257,7 @@ class Launcher:
         self._main_thread = threading.current_thread()
         self._requests: queue.Queue = queue.Queue()
         self.store_port = opts.store_port
+        self.backend = ""   # the transport's torch.distributed backend, set by the model checks
         self.store = None   # role ffn: the transport's TCPStore, hosted here
         self.token = ""     # split roles: the demand receiver's shared token
 
@@ -252,6 +280,7 @@ class Launcher:
             self.model = resolve_model(opts)
             self.spec, self.config = read_serving_spec(self.model)
             check_shape(opts, self.spec, device_count(opts.device))
+            self.backend = transport_backend(opts, device_count(opts.device))
             serving_dtype(opts.dtype, self.config)
             steps.update()
             for phase in phases:
@@ -349,7 +378,7 @@ class Launcher:
                    "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", store_host,
                    "--port", str(self.store_port), "--device", self._worker_device(first_device + w),
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
-                   "--copy-rate-gbps", str(opts.copy_rate_gbps),
+                   "--copy-rate-gbps", str(opts.copy_rate_gbps), "--backend", self.backend,
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             if opts.metrics_port:  # the worker serves on --metrics-port + rank
                 cmd += ["--metrics-port", str(opts.metrics_port + 1)]
@@ -375,6 +404,7 @@ class Launcher:
                                    moe_layers=list(self.spec.moe_layer_indices), store_port=self.store_port,
                                    hidden=self.spec.hidden_size, store_host=self.opts.ffn_host if split else self.opts.host,
                                    dtype=serving_dtype(self.opts.dtype, self.config), device=self.opts.device,
+                                   backend=self.backend,
                                    microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s)

@@ -1,0 +1,65 @@
+"""``afore serve --transport``: the A2F/F2A backend is chosen once and both sides get the same one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afore.attention.role import CONFIG_ENV, AttentionRoleConfig
+from afore.serve.launcher import ServeOptions, check_shape, read_serving_spec, transport_backend
+from servers import tiny
+
+
+def test_auto_is_gloo_on_cpu_and_on_a_shared_gpu_else_nccl():
+    assert transport_backend(ServeOptions(), devices=8) == "gloo"
+    assert transport_backend(ServeOptions(device="cuda", colocate=True), devices=1) == "gloo"   # A+F=3 on 1 GPU
+    assert transport_backend(ServeOptions(device="cuda"), devices=3) == "nccl"
+    assert transport_backend(ServeOptions(device="cuda", transport="torch-gloo"), devices=8) == "gloo"
+    assert transport_backend(ServeOptions(device="cuda", transport="torch-nccl"), devices=8) == "nccl"
+    # a split role cannot see the other node's GPUs: auto stays NCCL so both nodes agree
+    split = ServeOptions(device="cuda", role="ffn", host="0.0.0.0", store_port=29600, ffn_workers=4, colocate=True)
+    assert transport_backend(split, devices=1) == "nccl"
+
+
+def test_nccl_on_a_shared_gpu_and_unknown_transports_are_refused():
+    info, _ = read_serving_spec(tiny("qwen3_moe"))
+    with pytest.raises(ValueError, match="transport: NCCL cannot hold several workers on one GPU"):
+        check_shape(ServeOptions(device="cuda", colocate=True, transport="torch-nccl"), info, devices=1)
+    check_shape(ServeOptions(device="cuda", colocate=True, transport="torch-gloo"), info, devices=1)
+    with pytest.raises(ValueError, match="transport: torch-nccl needs --device cuda"):
+        ServeOptions(transport="torch-nccl")
+    with pytest.raises(ValueError, match="transport: expected one of auto, torch-nccl, torch-gloo"):
+        ServeOptions(transport="rdma")
+    with pytest.raises(ValueError, match="backend"):
+        AttentionRoleConfig(num_experts=8, top_k=2, attn_workers=1, ffn_workers=2, moe_layers=[0], store_port=1,
+                            hidden=8, backend="mpi")
+
+
+def test_ffn_workers_and_the_attention_side_get_the_same_backend(monkeypatch):
+    import afore.serve.launcher as launcher_mod
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, **kw):
+            started.append((cmd, env))
+            self.pid = 0
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(launcher_mod, "device_count", lambda device: 1)
+    monkeypatch.setattr(launcher_mod.subprocess, "Popen", FakePopen)
+    opts = ServeOptions(device="cuda", colocate=True, transport="torch-gloo", store_port=29600)
+    launcher = launcher_mod.Launcher(opts)
+    launcher.model = tiny("qwen3_moe")
+    launcher.spec, launcher.config = read_serving_spec(launcher.model)
+    launcher.backend = transport_backend(opts, 1)
+    launcher.start_ffn_workers()
+    launcher.start_server()
+    workers = [cmd for cmd, _ in started if "ffn-worker" in cmd]
+    assert len(workers) == 2
+    assert all(cmd[cmd.index("--backend") + 1] == "gloo" for cmd in workers)
+    role = json.loads(started[-1][1][CONFIG_ENV])
+    assert role["backend"] == "gloo" and role["device"] == "cuda"
