@@ -26,11 +26,13 @@ DEFAULT_COPY_RATE_GBPS = 50.0
 class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The FFN pool's shape for one model.
 
-    Primaries: expert e has one fixed primary worker. Experts are dealt in
-    contiguous blocks; when E is not divisible by F the first E % F workers own
-    one more primary than the rest (uneven primaries are supported everywhere).
-    Physical slots on worker w: primaries first (0 .. P_w-1), then the R
-    redundant slots (P_w .. P_w+R-1).
+    Primaries: expert e has one fixed primary worker, the same in every layer.
+    ``primaries`` is that layout as data, int[E] (``primaries[e]`` = the owner of e,
+    e.g. co-clustered by ``afore.affinity``); empty (the default) means contiguous
+    blocks: when E is not divisible by F the first E % F workers own one more
+    primary than the rest (uneven primaries are supported everywhere). Physical
+    slots on worker w: primaries first (0 .. P_w-1, its experts in ascending id
+    order), then the R redundant slots (P_w .. P_w+R-1).
     """
 
     num_experts: int
@@ -39,6 +41,7 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redundant_slots: int = 2
     m_tile: int = 16
     top_k: int = 8
+    primaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(self.num_experts >= 1, "num_experts", ">= 1", self.num_experts)
@@ -47,22 +50,45 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(self.redundant_slots >= 0, "redundant_slots", ">= 0", self.redundant_slots)
         _require(self.m_tile >= 1, "m_tile", ">= 1", self.m_tile)
         _require(1 <= self.top_k <= self.num_experts, "top_k", f"in [1, {self.num_experts}]", self.top_k)
+        if self.primaries:
+            check_primary_layout(self.primaries, self.num_experts, self.num_workers)
+
+    @property
+    def contiguous_primaries(self) -> bool:
+        """True when the primaries are the default contiguous blocks."""
+        return not self.primaries or self.primaries == _contiguous_owner(self.num_experts, self.num_workers)
 
     @property
     def primary_counts(self) -> np.ndarray:
         """int64[F]: primaries owned by each worker."""
-        return _primary_counts(self.num_experts, self.num_workers)
+        if not self.primaries:
+            return _primary_counts(self.num_experts, self.num_workers)
+        return np.array(_layout(self.primaries, self.num_workers)[0], dtype=np.int64)
 
     @property
     def primary_owner(self) -> np.ndarray:
         """int64[E]: the fixed primary worker of each expert."""
-        return np.repeat(np.arange(self.num_workers), self.primary_counts)
+        if not self.primaries:
+            return np.repeat(np.arange(self.num_workers), self.primary_counts)
+        return np.array(self.primaries, dtype=np.int64)
 
     @property
     def primary_slot(self) -> np.ndarray:
         """int64[E]: the physical slot of each expert on its primary worker."""
-        starts = np.concatenate([[0], np.cumsum(self.primary_counts)[:-1]])
-        return np.arange(self.num_experts) - starts[self.primary_owner]
+        if not self.primaries:
+            starts = np.concatenate([[0], np.cumsum(self.primary_counts)[:-1]])
+            return np.arange(self.num_experts) - starts[self.primary_owner]
+        return np.array(_layout(self.primaries, self.num_workers)[1], dtype=np.int64)
+
+    def primary_experts(self, worker: int) -> np.ndarray:
+        """int64[P_w]: the primaries of ``worker`` in slot order (ascending expert id)."""
+        self.check_worker(worker)
+        return np.flatnonzero(self.primary_owner == worker).astype(np.int64)
+
+    def with_primaries(self, primaries: object) -> "ClusterShape":
+        """This shape with the primary layout ``primaries`` (int[E]; empty = contiguous)."""
+        layout = tuple(int(w) for w in np.asarray(primaries).reshape(-1)) if len(primaries) else ()
+        return msgspec.structs.replace(self, primaries=layout)
 
     @property
     def slots_per_worker(self) -> np.ndarray:
@@ -144,6 +170,28 @@ class SchedulerParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(isinstance(self.chains, bool), "chains", "a bool", self.chains)
 
 
+def check_primary_layout(primaries: object, num_experts: int, num_workers: int,
+                         field: str = "primaries") -> np.ndarray:
+    """Validate a primary layout (int[E], the owner worker of each expert) and return it as int64[E].
+
+    Raises ValueError naming ``field`` on a wrong length, a non-integer or an unknown worker.
+    """
+    arr = np.asarray(primaries)
+    if arr.ndim != 1 or arr.shape[0] != num_experts:
+        raise ValueError(f"{field}: expected one owner worker per expert, a vector of length {num_experts} (num_experts), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise ValueError(f"{field}: expected integer worker ids, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = (arr < 0) | (arr >= num_workers)
+    if np.any(bad):
+        e = int(np.argmax(bad))
+        raise ValueError(f"{field}: expected worker ids in [0, {num_workers}) (num_workers), got {int(arr[e])} for expert {e}")
+    return arr
+
+
 def _require(ok: bool, field: str, expected: str, got: object) -> None:
     if not ok:
         raise ValueError(f"{field}: expected {expected}, got {got!r}")
@@ -157,3 +205,19 @@ def _primary_counts_cached(num_experts: int, num_workers: int) -> tuple[int, ...
 
 def _primary_counts(num_experts: int, num_workers: int) -> np.ndarray:
     return np.array(_primary_counts_cached(num_experts, num_workers), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _contiguous_owner(num_experts: int, num_workers: int) -> tuple[int, ...]:
+    return tuple(w for w, n in enumerate(_primary_counts_cached(num_experts, num_workers)) for _ in range(n))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(primaries: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(primaries per worker, slot of each expert on its owner) of an explicit layout."""
+    counts = [0] * num_workers
+    slot = []
+    for w in primaries:
+        slot.append(counts[w])
+        counts[w] += 1
+    return tuple(counts), tuple(slot)

@@ -34,9 +34,9 @@ THETA_CAP = 2**31
 
 @functools.lru_cache(maxsize=64)
 def scheduler_for(shape: ClusterShape) -> _scheduler_core.Scheduler:
-    """The C++ planner (with its scratch) for one cluster shape."""
+    """The C++ planner (with its scratch) for one cluster shape (its primary layout included)."""
     return _scheduler_core.Scheduler(shape.num_experts, shape.num_workers,
-                                     shape.redundant_slots, shape.m_tile)
+                                     shape.redundant_slots, shape.m_tile, list(shape.primaries))
 
 
 def core_arguments(shape: ClusterShape, demand: object, table: SlotTable, protected: object,

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <chrono>
@@ -157,8 +158,11 @@ NB_MODULE(_scheduler_core, m) {
   nb::class_<afore::Scheduler>(m, "Scheduler",
                                "Planner for one cluster shape; holds preallocated scratch. "
                                "Not thread-safe: one call at a time per object.")
-      .def(nb::init<int64_t, int64_t, int64_t, int64_t>(), "num_experts"_a, "num_workers"_a,
-           "redundant_slots"_a, "m_tile"_a)
+      .def(nb::init<int64_t, int64_t, int64_t, int64_t, const std::vector<int32_t>&>(),
+           "num_experts"_a, "num_workers"_a, "redundant_slots"_a, "m_tile"_a,
+           "primary_owner"_a = std::vector<int32_t>(),
+           "primary_owner: int[E] owner worker of each expert (ClusterShape.primaries); "
+           "empty = contiguous blocks.")
       .def_prop_ro("num_experts", &afore::Scheduler::num_experts)
       .def_prop_ro("num_workers", &afore::Scheduler::num_workers)
       .def_prop_ro("redundant_slots", &afore::Scheduler::redundant_slots)

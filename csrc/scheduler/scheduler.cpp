@@ -49,7 +49,7 @@ int32_t or_all(const int32_t* values, int64_t n) {
 }  // namespace
 
 Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant_slots,
-                     int64_t m_tile)
+                     int64_t m_tile, const std::vector<int32_t>& primary_owner)
     : E_(num_experts), F_(num_workers), R_(redundant_slots), M_(m_tile) {
   if (E_ < 1) fail("num_experts: expected >= 1, got " + std::to_string(E_));
   if (F_ < 1) fail("num_workers: expected >= 1, got " + std::to_string(F_));
@@ -57,17 +57,31 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   if (M_ < 1) fail("m_tile: expected >= 1, got " + std::to_string(M_));
   if (E_ > kInt32Max || F_ > kInt32Max || E_ * F_ > (int64_t{1} << 34))
     fail("num_experts * num_workers: expected <= 2**34, got " + std::to_string(E_ * F_));
-  // Primaries in contiguous blocks; the first E % F workers own one more (ClusterShape).
-  pcount_.resize(F_);
-  const int64_t base = E_ / F_, extra = E_ % F_;
-  for (int64_t w = 0; w < F_; ++w) pcount_[w] = static_cast<int32_t>(base + (w < extra ? 1 : 0));
+  // Primaries: the given layout, else contiguous blocks with the first E % F workers owning
+  // one more (ClusterShape). A worker's primaries take slots 0.. in ascending expert id.
   owner_.resize(E_);
-  primary_slot_.resize(E_);
-  for (int64_t w = 0, e = 0; w < F_; ++w)
-    for (int32_t s = 0; s < pcount_[w]; ++s, ++e) {
-      owner_[e] = static_cast<int32_t>(w);
-      primary_slot_[e] = s;
+  if (primary_owner.empty()) {
+    const int64_t base = E_ / F_, extra = E_ % F_;
+    for (int64_t w = 0, e = 0; w < F_; ++w)
+      for (int64_t s = 0; s < base + (w < extra ? 1 : 0); ++s, ++e) owner_[e] = static_cast<int32_t>(w);
+  } else {
+    if (static_cast<int64_t>(primary_owner.size()) != E_)
+      fail("primaries: expected one owner worker per expert, a vector of length " +
+           std::to_string(E_) + " (num_experts), got length " + std::to_string(primary_owner.size()));
+    for (int64_t e = 0; e < E_; ++e) {
+      if (primary_owner[e] < 0 || primary_owner[e] >= F_)
+        fail("primaries: expected worker ids in [0, " + std::to_string(F_) + ") (num_workers), got " +
+             std::to_string(primary_owner[e]) + " for expert " + std::to_string(e));
+      owner_[e] = primary_owner[e];
     }
+  }
+  pcount_.assign(F_, 0);
+  primary_slot_.resize(E_);
+  for (int64_t e = 0; e < E_; ++e) primary_slot_[e] = pcount_[owner_[e]]++;
+  pstart_.assign(F_ + 1, 0);
+  for (int64_t w = 0; w < F_; ++w) pstart_[w + 1] = pstart_[w] + pcount_[w];
+  pexperts_.resize(E_);
+  for (int64_t e = 0; e < E_; ++e) pexperts_[pstart_[owner_[e]] + primary_slot_[e]] = static_cast<int32_t>(e);
   k_.assign(E_, 0);
   tiles_.assign(E_ * F_, 0);
   has_.assign(E_ * F_, 0);
@@ -88,7 +102,9 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   stuck_.assign(F_, 0);
   copies_into_.assign(F_, 0);
   max_hops_ = 4 * F_ * (R_ + 1);  // algorithm.max_beyond_hops
-  moves_.reserve(static_cast<size_t>(max_hops_));
+  // The undo log holds the hops (at most max_hops_) and the moves within the placement that
+  // follow them; it keeps the capacity it reached, so steady-state calls do not allocate.
+  moves_.reserve(static_cast<size_t>(4 * max_hops_));
   chain_.resize(F_);
   bfs_queue_.assign(F_, 0);
   bfs_parent_.assign(F_, -1);
@@ -324,8 +340,7 @@ void Scheduler::unstick_after_move(int64_t theta, int32_t h, int32_t c) {
     for (int32_t i = 0; i < rep_count_[x]; ++i)
       if (tiles_[x * F_ + reps[i]] > theta) stuck_[reps[i]] = 0;
   };
-  const int64_t first = std::lower_bound(owner_.begin(), owner_.end(), h) - owner_.begin();
-  for (int64_t x = first; x < first + pcount_[h]; ++x) unstick_holders(static_cast<int32_t>(x));
+  for (int32_t i = pstart_[h]; i < pstart_[h + 1]; ++i) unstick_holders(pexperts_[i]);
   for (int64_t r = 0; r < R_; ++r)
     if (binding_[h * R_ + r] >= 0) unstick_holders(binding_[h * R_ + r]);
 }
@@ -378,6 +393,36 @@ bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t&
     return true;
   }
   return false;
+}
+
+// Stage 2 (and, with chains, after each step of stage 3): pair moves until none is left; with
+// chains, then one ejection chain within the placement and again. With log_moves the moves go
+// to the undo log of stage 3. Returns true if anything moved.
+bool Scheduler::rebalance_within(int64_t theta, bool chains, bool log_moves) {
+  int32_t e, h, c, n_hops;
+  int64_t q;
+  bool moved = false;
+  // Stage 3 added replicas since the flags were set: a donor may have a move again.
+  std::fill(stuck_.begin(), stuck_.end(), 0);
+  while (true) {
+    while (find_within_move(theta, e, h, c, q)) {
+      move_tiles(e, h, c, q);
+      unstick_after_move(theta, h, c);
+      if (log_moves) moves_.push_back(Move{e, h, c, -1, -1, q});
+      ++within_moves_;
+      moved = true;
+    }
+    if (!chains || !find_chain(theta, false, n_hops)) return moved;
+    // Each hop is a one-tile move: unsticking for each covers the chain's changes.
+    for (int32_t i = 0; i < n_hops; ++i) {
+      const Hop hop = chain_[i];
+      move_tiles(hop.expert, hop.from, hop.to, 1);
+      unstick_after_move(theta, hop.from, hop.to);
+      if (log_moves) moves_.push_back(Move{hop.expert, hop.from, hop.to, -1, -1, 1});
+    }
+    ++within_chains_;
+    moved = true;
+  }
 }
 
 bool Scheduler::has_copy_edge(int32_t u, int32_t v, int64_t theta) const {
@@ -553,22 +598,8 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
 
   // Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
   within_moves_ = within_chains_ = 0;
-  std::fill(stuck_.begin(), stuck_.end(), 0);
   int32_t n_hops = 0;
-  while (true) {
-    while (find_within_move(theta, e, h, c, q)) {
-      move_tiles(e, h, c, q);
-      unstick_after_move(theta, h, c);
-      ++within_moves_;
-    }
-    if (!in.chains || !find_chain(theta, false, n_hops)) break;
-    // Each hop is a one-tile move: unsticking for each covers the chain's changes.
-    for (int32_t i = 0; i < n_hops; ++i) {
-      move_tiles(chain_[i].expert, chain_[i].from, chain_[i].to, 1);
-      unstick_after_move(theta, chain_[i].from, chain_[i].to);
-    }
-    ++within_chains_;
-  }
+  rebalance_within(theta, in.chains, false);
 
   // Stage 3: rebalancing beyond the placement; keep the best positive net gain.
   const double beta = in.beta_tile_ms;
@@ -590,7 +621,7 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
     } else if (!in.chains || !find_chain(theta, can_copy, n_hops)) {
       break;
     }
-    if (hops_made + n_hops > max_hops_) break;  // moves_ never grows past its reservation
+    if (hops_made + n_hops > max_hops_) break;  // bounds the search (chains)
     hops_made += n_hops;
     for (int32_t i = 0; i < n_hops; ++i) {
       const Hop hop = chain_[i];
@@ -607,10 +638,16 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
       moves_.push_back(Move{hop.expert, hop.from, hop.to, hop.slot, old, hop_tiles});
       move_tiles(hop.expert, hop.from, hop.to, hop_tiles);
     }
-    // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
-    for (int32_t i = 0; i < n_hops; ++i) {
-      safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
-      safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
+    if (in.chains && rebalance_within(theta, true, true)) {
+      // [chains] the new replicas opened moves within the placement: take them before judging
+      // the candidate (algorithm.py). Any worker's tiles may have changed: refresh every slot.
+      for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
+    } else {
+      // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
+      for (int32_t i = 0; i < n_hops; ++i) {
+        safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
+        safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
+      }
     }
     const double exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
     const double gain = f0 - beta * static_cast<double>(load_[donors_[0]]) - exposed;

@@ -45,7 +45,10 @@ struct ScheduleOutputs {
 
 class Scheduler {
  public:
-  Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant_slots, int64_t m_tile);
+  // primary_owner: the fixed primary worker of each expert ([E], ClusterShape.primaries);
+  // empty = contiguous blocks, the first E % F workers owning one more.
+  Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant_slots, int64_t m_tile,
+            const std::vector<int32_t>& primary_owner = {});
 
   int64_t num_experts() const { return E_; }
   int64_t num_workers() const { return F_; }
@@ -75,6 +78,7 @@ class Scheduler {
   void initialize(const ScheduleInputs& in);
   bool find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c, int64_t& q);
   void unstick_after_move(int64_t theta, int32_t h, int32_t c);
+  bool rebalance_within(int64_t theta, bool chains, bool log_moves);
   int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
   bool find_beyond_move(const ScheduleInputs& in, int32_t& e, int32_t& h, int32_t& c,
                         int32_t& r, int64_t& q);
@@ -103,6 +107,8 @@ class Scheduler {
   std::vector<int32_t> owner_;        // [E] primary worker
   std::vector<int32_t> primary_slot_; // [E]
   std::vector<int32_t> pcount_;       // [F] primaries per worker
+  std::vector<int32_t> pstart_;       // [F+1] worker w's primaries: pexperts_[pstart_[w] ..]
+  std::vector<int32_t> pexperts_;     // [E] experts by (owner, id)
 
   std::vector<int64_t> k_;            // [E] tiles per expert
   std::vector<int32_t> tiles_;        // [E*F] N (< 2**31: demand is), zero outside this call
