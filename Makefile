@@ -11,7 +11,7 @@ install:
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec
 
 serve: install
-	afore serve --colocate
+	afore serve
 
 test: install
 	$(PYTHON) -m pytest -x -q -p no:cacheprovider

@@ -13,15 +13,28 @@ from afore.serve.launcher import ROLES, TRANSPORTS, ServeOptions, serve
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
 
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless its help already says it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _ShowDefaults
     parser.add_argument("--model", default="", help="Hugging Face MoE checkpoint directory (default: the built-in tiny Qwen3-MoE, built once under ~/.cache/afore)")
     parser.add_argument("--attn-workers", type=int, default=1, help="data-parallel vLLM attention workers (A)")
     parser.add_argument("--ffn-workers", type=int, default=2, help="FFN workers holding the routed experts (F; F > A is fine)")
     parser.add_argument("--policy", default="afore", choices=POLICY_NAMES, help="expert placement policy (switchable later: POST /afore/policy on the admin port)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the workers run: cpu (they share the cores) or cuda (one GPU per worker unless --colocate)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the API, admin and FFN-node ports listen on")
     parser.add_argument("--port", type=int, default=8000, help="OpenAI-compatible API port")
-    parser.add_argument("--admin-port", type=int, default=0, help="admin endpoint port (0 = port + 1, -1 = off)")
+    parser.add_argument("--admin-port", type=int, default=0,
+                        help="admin endpoint port (/afore/status, /afore/policy, OpenAPI at /docs); default 0 = --port + 1, -1 = off")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus metrics: the scheduler on this port, FFN worker w on port + 1 + w (0 = off)")
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
@@ -36,14 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demand-port", type=int, default=29601, help="split roles: the FFN node's demand receiver port")
     parser.add_argument("--copy-rate-gbps", type=float, default=DEFAULT_COPY_RATE_GBPS,
                         help="GPU FFN workers: expert copy pull rate while experts compute (0 = full rate; see docs/ffn-side.md)")
-    parser.add_argument("--colocate", action="store_true", help="allow more workers than devices (they share)")
+    parser.add_argument("--colocate", action="store_true",
+                        help="--device cuda: allow more workers than GPUs (they share GPUs; check memory headroom). "
+                             "On CPU the workers always share the cores")
     parser.add_argument("--transport", default="auto", choices=TRANSPORTS,
                         help="A2F/F2A path: torch-nccl (one GPU per worker), torch-gloo (CPU, or CUDA tensors staged "
                              "through the host: workers sharing a GPU); auto = gloo on CPU or shared GPUs, else NCCL")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", default="auto", help="vLLM --dtype")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len: longest prompt + output, tokens")
+    parser.add_argument("--dtype", default="auto",
+                        help="vLLM --dtype, also the FFN workers' (auto = the checkpoint's, float32 when it declares none)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager (faster start, no torch.compile)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="vLLM --seed (sampling)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each start-up phase")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", help="extra argument passed to vLLM's server (repeatable)")
 

@@ -93,8 +93,8 @@ def test_impossible_shapes_refused():
     with pytest.raises(ValueError, match="ffn_workers"):
         check_shape(ServeOptions(ffn_workers=info.num_experts + 1, colocate=True), info, devices=64)
     with pytest.raises(ValueError, match="--colocate"):
-        check_shape(ServeOptions(attn_workers=2, ffn_workers=2), info, devices=3)
-    check_shape(ServeOptions(attn_workers=2, ffn_workers=2, colocate=True), info, devices=1)
+        check_shape(ServeOptions(attn_workers=2, ffn_workers=2, device="cuda"), info, devices=3)
+    check_shape(ServeOptions(attn_workers=2, ffn_workers=2, device="cuda", colocate=True), info, devices=1)
     check_shape(ServeOptions(attn_workers=1, ffn_workers=3), info, devices=4)  # F > A
     with pytest.raises(ValueError, match="policy"):
         ServeOptions(policy="fastest")
