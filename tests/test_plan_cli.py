@@ -178,3 +178,30 @@ def test_verifier_script_is_standalone(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     bad = subprocess.run([sys.executable, "-S", str(copied), str(tmp_path / "bad.json")], capture_output=True, text=True)
     assert bad.returncode == 1 and "assignment" in bad.stdout
+
+
+def test_example_inputs_round_trip(tmp_path, capsys):
+    assert main(["plan", "--example", str(tmp_path / "ex")]) == 0
+    printed = capsys.readouterr().out
+    demand, state = tmp_path / "ex" / "demand.json", tmp_path / "ex" / "state.json"
+    assert f"--demand {demand} --state {state}" in printed
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--demand", str(demand), "--state", str(state), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert verify_plan_json(doc) == []
+    assert doc["inputs"]["demand"] == json.loads(demand.read_text())["demand"]
+    assert doc["inputs"]["seq"] == json.loads(state.read_text())["seq"]
+    assert doc["plan"]["copies"], "the example's hot expert should be replicated"
+
+
+def test_plan_without_inputs_names_the_missing_options(tmp_path, capsys):
+    assert main(["plan", "--demand", str(tmp_path / "d.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--state" in err and "--out" in err and "--example" in err and "--demand," not in err
+
+
+def test_plan_help_shows_the_file_formats(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "slot_table" in out and "prev_assignment" in out and "--example" in out

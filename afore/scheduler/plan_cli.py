@@ -1,6 +1,7 @@
 """`afore plan`: plan one target from a demand and a state, and write a self-checking JSON.
 
   afore plan --demand DEMAND --state STATE [--shape E,F,R,M] [--policy afore] --out plan.json
+  afore plan --example DIR     writes DIR/demand.json and DIR/state.json to start from
 
 Input files are JSON or NPZ (by suffix).
 
@@ -45,14 +46,56 @@ COST_KEYS = ("beta_tile_ms", "bytes_per_expert", "link_bandwidth_gbps", "copy_la
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from afore.scheduler.policies import POLICY_NAMES
-    parser.add_argument("--demand", required=True, help="demand file (.json or .npz)")
-    parser.add_argument("--state", required=True, help="state file (.json or .npz): shape, slot table, protected, ...")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "Input files are" + __doc__.split("Input files are", 1)[1].split("Output:", 1)[0].rstrip()
+    parser.add_argument("--demand", help="demand file (.json or .npz); required unless --example")
+    parser.add_argument("--state", help="state file (.json or .npz): shape, slot table, protected, ...; required unless --example")
     parser.add_argument("--shape", default=None, help="E,F,R,M_tile (overrides the state's shape)")
-    parser.add_argument("--policy", default="afore", choices=POLICY_NAMES)
-    parser.add_argument("--out", required=True, help="plan JSON to write")
+    parser.add_argument("--policy", default="afore", choices=POLICY_NAMES, help="placement policy (default: afore)")
+    parser.add_argument("--out", help="plan JSON to write; required unless --example")
+    parser.add_argument("--example", metavar="DIR", default=None,
+                        help="write an example DIR/demand.json and DIR/state.json (E=16, F=4, R=2) and print the "
+                             "command that plans them; nothing else is read or written")
+
+
+def write_example(directory: str | Path) -> tuple[Path, Path]:
+    """Write an example demand (one hot expert on worker 0) and state (a slot table with two
+    bindings, one of them protected) under ``directory``; returns (demand path, state path)."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    demand = [64] * 16
+    demand[1] = 640  # expert 1, a primary of worker 0: 40 tiles of 16 against 4 on the others
+    state = {
+        "shape": {"num_experts": 16, "num_workers": 4, "redundant_slots": 2, "m_tile": 16},
+        "slot_table": {"expert": [[5, -1], [-1, -1], [0, -1], [-1, -1]],
+                       "last_used": [[3, -1], [-1, -1], [3, -1], [-1, -1]]},
+        "protected": [[True, False], [False, False], [False, False], [False, False]],
+        "prev_assignment": None,
+        "params": {"theta": 0, "copy_budget": 4},
+        "cost": {k: getattr(CostModel(), k) for k in COST_KEYS},  # the defaults, written out to show the format
+        "target": {"step": 1, "layer": 0, "microbatch": 0},
+        "seq": 7,
+    }
+    demand_path, state_path = out / "demand.json", out / "state.json"
+    demand_path.write_text(json.dumps({"demand": demand}) + "\n")
+    state_path.write_text(json.dumps(state, indent=1) + "\n")
+    return demand_path, state_path
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.example is not None:
+        try:
+            demand_path, state_path = write_example(args.example)
+        except OSError as exc:
+            print(f"afore plan: example: cannot write under {args.example!r}: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {demand_path} and {state_path}; plan them with:\n"
+              f"  afore plan --demand {demand_path} --state {state_path} --out plan.json")
+        return 0
+    missing = [f"--{name}" for name in ("demand", "state", "out") if getattr(args, name) is None]
+    if missing:
+        print(f"afore plan: {', '.join(missing)}: required (or --example DIR to write example inputs)", file=sys.stderr)
+        return 2
     try:
         doc = plan_document(read_file(args.demand, "demand"), read_file(args.state, "state"), args.shape, args.policy)
     except ValueError as exc:
