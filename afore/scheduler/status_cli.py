@@ -61,16 +61,36 @@ def format_segment(seg: dict) -> str:
                          f"last_seq={p['last_seq']} accepted={p['accepted']} rejected={p['rejected_invalid']}"
                          f"+{p['rejected_duplicate']}dup dropped_full={p['dropped_full']}")
     elif seg["kind"] == "plan_ring":
+        # "alive" is the ring's own verdict (live record, process running). The heartbeat is the
+        # reader's last read: an idle reader's grows without bound and costs it nothing; only a
+        # reader that holds the writer up for the eviction timeout is evicted.
         alive = sum(1 for r in seg["readers"] if r["alive"])
-        lines.append(f"  readers {alive}/{seg['num_readers']} alive, {seg['num_slots']} slots x {seg['slot_capacity']} B, "
-                     f"liveness {seg['liveness_timeout_s']:.3f} s, writer heartbeat {seg['writer_heartbeat_age_s']:.3f} s ago")
+        lines.append(f"  readers {alive}/{seg['num_readers']} alive (registered, process running), "
+                     f"{seg['num_slots']} slots x {seg['slot_capacity']} B")
+        lines.append(f"  eviction: a reader whose process is gone, or that holds the writer up for "
+                     f"{seg['liveness_timeout_s']:.3f} s without reading; writer {_writer(seg)}")
         lines.append("  " + ", ".join(f"{k}={v}" for k, v in c.items()))
         for r in seg["readers"]:
-            lines.append(f"  reader {r['reader']}: {r['state']} pid {r['pid']} {'alive' if r['alive'] else '-'} "
-                         f"lag={r['lag']} heartbeat {r['heartbeat_age_s']:.3f} s ago copied={r['copied']} "
+            lines.append(f"  reader {r['reader']}: {_reader_verdict(r)}, pid {r['pid']}, "
+                         f"last read {r['heartbeat_age_s']:.3f} s ago, lag={r['lag']} copied={r['copied']} "
                          f"missed={r['missed']} stale={r['stale_skipped']} torn={r['torn']} rejected={r['rejected']} "
                          f"evicted={r['evicted']}")
     return "\n".join(lines)
+
+
+def _reader_verdict(reader: dict) -> str:
+    """'alive', or why not: evicted (rejoins at its next read), detached, or its process gone."""
+    if reader["alive"]:
+        return "alive"
+    if reader["state"] == "live":
+        return "DEAD (process gone; evicted when the writer next needs its slot)"
+    return {"evicted": "evicted (rejoins at its next read)", "detached": "detached"}.get(reader["state"], reader["state"])
+
+
+def _writer(seg: dict) -> str:
+    pid = seg.get("writer_pid", 0)
+    state = "alive" if seg.get("writer_alive") else "DEAD"
+    return f"pid {pid} {state}, heartbeat {seg['writer_heartbeat_age_s']:.3f} s ago"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
