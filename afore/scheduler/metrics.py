@@ -1,110 +1,219 @@
 """Prometheus metrics of the control plane (scheduler service, mailbox, plan ring, receiver).
 
-Latencies are histograms recorded by the service; the segments' own counters (written by
-producers and readers in shared memory) are read at scrape time by ``SegmentCollector``, so
-they are exact even for processes that export nothing themselves.
+Families (docs/metrics.md has each one's meaning and healthy value; label ``policy``: the
+placement policy this scheduler process runs, one process per policy, so a policy switch starts
+new series and the old ones keep their totals):
+
+  afore_scheduler_policy{policy}                   gauge 1 while that policy plans (join it to
+                                                   the FFN families, which do not know the policy)
+  afore_scheduler_plans_total{policy}              plans published
+  afore_scheduler_plan_misses_total{policy,reason} targets without a plan (deadline, policy_error, ...)
+  afore_scheduler_demand_to_plan_seconds{policy}   demand complete -> plan published
+  afore_scheduler_policy_seconds{policy}           time in the placement policy per target
+  afore_scheduler_plan_read_seconds{policy}        plan published -> copied by every live FFN worker
+  afore_scheduler_tile_imbalance{policy,layer,placement}         max/mean tile load of each plan
+  afore_scheduler_tile_imbalance_window{policy,layer,placement}  the same over the layer's last plans
+  afore_receiver_messages_total{outcome}           demand receiver messages (role ffn)
+  afore_mailbox_targets_total{outcome}, afore_mailbox_pending_targets,
+  afore_mailbox_reports_total{worker,outcome}      the demand mailbox (worker: attention worker)
+  afore_ring_reader_entries_total{policy,worker,outcome}, afore_ring_reader_lag{worker},
+  afore_ring_readers_live, afore_ring_reader_evictions_total, afore_ring_publish_timeouts_total
+                                                   the plan ring (worker: FFN worker = reader)
+
+The segments' counters live in shared memory (written by producers and readers, exact even for
+processes that export nothing); ``sync_segments`` copies them into the families above, as
+increments, at most every ``SYNC_INTERVAL_S`` (the service calls it once per loop iteration)
+and at ``render``/``shutdown``. That keeps every family an ordinary prometheus_client metric,
+which is what the pod's multiprocess aggregation (afore.metrics.multiprocess) can carry.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import os
+import threading
+import time
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from afore import _shm
+from afore.metrics import multiprocess
+from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWindow, primary_only_tile_load, tile_imbalance
 
 # 1 us .. 100 ms: plan latencies live in microseconds, misses in milliseconds
 LATENCY_BUCKETS_S = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)
+SYNC_INTERVAL_S = 0.5
+READER_OUTCOMES = ("copied", "stale_skipped", "missed", "torn", "rejected", "evicted")
+REPORT_OUTCOMES = ("accepted", "rejected_invalid", "rejected_duplicate", "dropped_full")
 
 
-class SegmentCollector:
-    """Exports the counters of the named mailbox and plan ring segments."""
+class _Bound:
+    """A labelled family with its leading labels fixed: ``.labels(rest...)``."""
 
-    def __init__(self, mailbox: str | None, ring: str | None):
-        self.mailbox, self.ring = mailbox, ring
+    def __init__(self, family, *fixed: str) -> None:
+        self._family, self._fixed = family, fixed
+
+    def labels(self, *rest: str):
+        return self._family.labels(*self._fixed, *rest)
+
+
+class _SyncOnScrape:
+    """First collector of the registry: a scrape of this process's registry copies the
+    segments' counters first, so it reads them exact."""
+
+    def __init__(self, metrics: "SchedulerMetrics") -> None:
+        self._metrics = metrics
 
     def describe(self):
         return []
 
     def collect(self):
-        if self.mailbox:
-            try:
-                yield from _mailbox_metrics(_shm.inspect(self.mailbox))
-            except ValueError:
-                pass
-        if self.ring:
-            try:
-                yield from _ring_metrics(_shm.inspect(self.ring))
-            except ValueError:
-                pass
-
-
-def _mailbox_metrics(info: dict):
-    if not info.get("compatible"):
-        return
-    targets = CounterMetricFamily("afore_mailbox_targets", "targets by outcome at the scheduler's mailbox", labels=["outcome"])
-    for key, value in info["counters"].items():
-        if key not in ("pending", "rejected_unknown_worker"):
-            targets.add_metric([key], value)
-    yield targets
-    yield GaugeMetricFamily("afore_mailbox_pending_targets", "targets with partial demand", value=info["counters"]["pending"])
-    reports = CounterMetricFamily("afore_mailbox_reports", "demand reports by worker and outcome", labels=["worker", "outcome"])
-    for p in info["producers"]:
-        for key in ("accepted", "rejected_invalid", "rejected_duplicate", "dropped_full"):
-            reports.add_metric([str(p["worker"]), key], p[key])
-    reports.add_metric(["unknown", "rejected_invalid"], info["counters"]["rejected_unknown_worker"])
-    yield reports
-
-
-def _ring_metrics(info: dict):
-    if not info.get("compatible"):
-        return
-    c = info["counters"]
-    yield CounterMetricFamily("afore_ring_published", "plans published into the ring", value=c["published"])
-    yield CounterMetricFamily("afore_ring_evictions", "readers evicted (dead or silent beyond the liveness timeout)", value=c["evictions"])
-    yield CounterMetricFamily("afore_ring_publish_timeouts", "publishes that gave up waiting for readers", value=c["publish_timeouts"])
-    yield GaugeMetricFamily("afore_ring_readers_live", "FFN workers attached and alive",
-                            value=sum(1 for r in info["readers"] if r["alive"]))
-    lag = GaugeMetricFamily("afore_ring_reader_lag", "entries published but not yet acknowledged", labels=["reader"])
-    outcomes = CounterMetricFamily("afore_ring_reader_entries", "entries by reader and outcome", labels=["reader", "outcome"])
-    for r in info["readers"]:
-        lag.add_metric([str(r["reader"])], r["lag"])
-        for key in ("copied", "stale_skipped", "missed", "torn", "rejected", "evicted"):
-            outcomes.add_metric([str(r["reader"]), key], r[key])
-    yield lag
-    yield outcomes
+        self._metrics.sync_segments(0.0)
+        return []
 
 
 class SchedulerMetrics:
     """The scheduler service's metrics in one registry (``render()`` or ``serve(port)``)."""
 
-    def __init__(self, mailbox: str | None = None, ring: str | None = None):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.plans = Counter("afore_scheduler_plans", "plans published", registry=r)
-        self.misses = Counter("afore_scheduler_misses", "targets without a plan", ["reason"], registry=r)
-        self.publish_latency = Histogram("afore_scheduler_publish_latency_seconds",
-                                         "demand complete -> plan published", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.copy_latency = Histogram("afore_scheduler_copy_latency_seconds",
-                                      "plan published -> copied by all live readers", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.policy_latency = Histogram("afore_scheduler_policy_latency_seconds",
-                                        "time in the placement policy per target", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.receiver_messages = Counter("afore_receiver_messages", "demand receiver messages by outcome", ["outcome"], registry=r)
-        if mailbox or ring:
-            r.register(SegmentCollector(mailbox, ring))
+    def __init__(self, mailbox: str | None = None, ring: str | None = None, policy: str = "", shape=None):
+        """``mailbox``/``ring``: segment names to export; ``policy``: the label of this process's
+        families; ``shape``: the ClusterShape (needed by ``observe_plan`` for the primary-only
+        comparison)."""
+        self.registry = r = CollectorRegistry()
+        self.mailbox, self.ring, self.policy, self.shape = mailbox, ring, policy, shape
+        self._seen: dict[tuple, float] = {}
+        self._lock = threading.Lock()
+        self._last_sync = 0.0
+        r.register(_SyncOnScrape(self))
+        p = (policy,)
+
+        def counter(name, doc, *labels):
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name, doc, buckets, *labels):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.policy_gauge = Gauge("afore_scheduler_policy", "1 for the placement policy this scheduler runs",
+                                  ("policy",), registry=r, multiprocess_mode="livemax").labels(*p)
+        self.policy_gauge.set(1)
+        self.plans = counter("afore_scheduler_plans", "plans published", "policy").labels(*p)
+        self.misses = _Bound(counter("afore_scheduler_plan_misses", "targets without a plan, by reason",
+                                     "policy", "reason"), *p)
+        self.publish_latency = histogram("afore_scheduler_demand_to_plan_seconds", "demand complete -> plan published",
+                                         LATENCY_BUCKETS_S, "policy").labels(*p)
+        self.copy_latency = histogram("afore_scheduler_plan_read_seconds",
+                                      "plan published -> copied by every live FFN worker", LATENCY_BUCKETS_S,
+                                      "policy").labels(*p)
+        self.policy_latency = histogram("afore_scheduler_policy_seconds", "time in the placement policy per target",
+                                        LATENCY_BUCKETS_S, "policy").labels(*p)
+        self._imbalance = _Bound(histogram("afore_scheduler_tile_imbalance", "max/mean tile load over the FFN workers "
+                                           "of each published plan (1 = balanced)", IMBALANCE_BUCKETS,
+                                           "policy", "layer", "placement"), *p)
+        self._imbalance_window = _Bound(Gauge("afore_scheduler_tile_imbalance_window", "max/mean tile load over the "
+                                              f"layer's last {BALANCE_WINDOW} published plans",
+                                              ("policy", "layer", "placement"), registry=r,
+                                              multiprocess_mode="livemostrecent"), *p)
+        self._window = ImbalanceWindow(BALANCE_WINDOW)
+        self.receiver_messages = counter("afore_receiver_messages", "demand receiver messages by outcome", "outcome")
+        # segment counters, exported as increments of what sync_segments last saw
+        self._mailbox_targets = counter("afore_mailbox_targets", "targets by outcome at the scheduler's mailbox", "outcome")
+        self._mailbox_pending = Gauge("afore_mailbox_pending_targets", "targets with partial demand", registry=r,
+                                      multiprocess_mode="livesum")
+        self._mailbox_reports = counter("afore_mailbox_reports", "demand reports by attention worker and outcome",
+                                        "worker", "outcome")
+        self._ring_entries = counter("afore_ring_reader_entries", "plan ring entries by FFN worker (reader) and outcome",
+                                     "policy", "worker", "outcome")
+        self._ring_lag = Gauge("afore_ring_reader_lag", "plans published but not yet acknowledged by the FFN worker",
+                               ("worker",), registry=r, multiprocess_mode="livemax")
+        self._ring_live = Gauge("afore_ring_readers_live", "FFN workers attached to the plan ring and alive",
+                                registry=r, multiprocess_mode="livemax")
+        self._ring_evictions = counter("afore_ring_reader_evictions", "readers evicted (dead or silent beyond the "
+                                                                      "liveness timeout)")
+        self._ring_timeouts = counter("afore_ring_publish_timeouts", "publishes that gave up waiting for readers")
         self._server = None
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics over HTTP on ``port`` (0 = any free port); returns the port."""
+    # ---- recording
+    def observe_plan(self, plan) -> None:
+        """Imbalance of a published ``plan`` (afore.plan.Plan) and of the primary-only placement
+        of its demand, at its layer (needs ``shape``)."""
+        if self.shape is None:
+            raise ValueError("shape: SchedulerMetrics needs the ClusterShape to record balance")
+        layer = str(plan.target.layer)
+        for placement, load in (("plan", np.asarray(plan.tile_load)),
+                                ("primary_only", primary_only_tile_load(self.shape, plan.demand))):
+            factor = tile_imbalance(load)
+            if factor is None:
+                continue
+            self._imbalance.labels(layer, placement).observe(factor)
+            self._imbalance_window.labels(layer, placement).set(self._window.add((layer, placement), load))
+
+    def sync_segments(self, max_age_s: float = SYNC_INTERVAL_S) -> None:
+        """Copy the segments' counters into the families, if the last copy is older than ``max_age_s``."""
+        now = time.monotonic()
+        if now - self._last_sync < max_age_s:
+            return
+        with self._lock:
+            self._last_sync = now
+            for name, export in ((self.mailbox, self._export_mailbox), (self.ring, self._export_ring)):
+                if not name:
+                    continue
+                try:
+                    info = _shm.inspect(name)
+                except ValueError:  # not there (yet, or any more)
+                    continue
+                if info.get("compatible"):
+                    export(info)
+
+    def _add(self, child, key: tuple, value: float) -> None:
+        """Increment ``child`` by what ``value`` (a segment's running total) gained since the last sync."""
+        last = self._seen.get(key, 0.0)
+        if value > last:
+            child.inc(value - last)
+        self._seen[key] = max(value, last)
+
+    def _export_mailbox(self, info: dict) -> None:
+        c = info["counters"]
+        for key, value in c.items():
+            if key not in ("pending", "rejected_unknown_worker"):
+                self._add(self._mailbox_targets.labels(key), ("mailbox", key), value)
+        self._mailbox_pending.set(c["pending"])
+        for prod in info["producers"]:
+            w = str(prod["worker"])
+            for key in REPORT_OUTCOMES:
+                self._add(self._mailbox_reports.labels(w, key), ("report", w, key), prod[key])
+        self._add(self._mailbox_reports.labels("unknown", "rejected_invalid"), ("report", "unknown"),
+                  c["rejected_unknown_worker"])
+
+    def _export_ring(self, info: dict) -> None:
+        c = info["counters"]
+        self._add(self._ring_evictions, ("evictions",), c["evictions"])
+        self._add(self._ring_timeouts, ("publish_timeouts",), c["publish_timeouts"])
+        self._ring_live.set(sum(1 for rd in info["readers"] if rd["alive"]))
+        for rd in info["readers"]:
+            w = str(rd["reader"])
+            self._ring_lag.labels(w).set(rd["lag"])
+            for key in READER_OUTCOMES:
+                self._add(self._ring_entries.labels(self.policy, w, key), ("reader", w, key), rd[key])
+
+    # ---- endpoints
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve this process's /metrics on ``addr:port`` (0 = any free port); returns the port.
+        For the scheduler run alone (``afore scheduler --metrics-port``); ``afore serve`` uses the
+        pod's endpoint."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server
         return server.server_port
 
     def shutdown(self) -> None:
+        """Last copy of the segments' counters, stop the HTTP server, and drop this process's
+        live gauges from the pod's aggregation (a restarted scheduler starts its own)."""
+        self.sync_segments(0.0)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        multiprocess.mark_dead(os.getpid())
 
     def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
+        """The Prometheus text exposition of every metric of this process."""
         return generate_latest(self.registry).decode()

@@ -99,7 +99,7 @@ class SchedulerService:
         except BaseException:
             self.mailbox.close()
             raise
-        self.metrics = SchedulerMetrics(c.mailbox, c.ring)
+        self.metrics = SchedulerMetrics(c.mailbox, c.ring, policy=c.policy, shape=c.shape)
         self.metrics_port: int | None = None
         self.receiver: DemandReceiver | None = None
         self._receiver_mailbox: DemandMailbox | None = None
@@ -167,6 +167,7 @@ class SchedulerService:
     def step(self, timeout_s: float = 0.05) -> int:
         """Plan and publish at most one target; returns the number of plans published (0 or 1)."""
         got = self.mailbox.wait_complete(timeout_s, self.config.spin_us * 1e-6)
+        self.metrics.sync_segments()
         self._count_misses()
         self._record_copy_latency()
         if got is None:
@@ -193,6 +194,7 @@ class SchedulerService:
         written_ns, complete_ns = self.mailbox.last_stamps
         self.metrics.publish_latency.observe((_shm.monotonic_ns() - complete_ns) * 1e-9)
         self.metrics.plans.inc()
+        self.metrics.observe_plan(plan)
         self.published += 1
         return 1
 

@@ -4,7 +4,9 @@ Routes (OpenAPI page at ``/docs``, schema at ``/openapi.json``):
 
 - ``GET /afore/status``: this node's role, policy, model, worker counts and child processes;
 - ``POST /afore/policy`` with ``{"policy": NAME}``: restart the scheduler with another placement
-  policy (serving goes on meanwhile on primary-only plans); answers the new status.
+  policy (serving goes on meanwhile on primary-only plans); answers the new status;
+- ``GET /metrics``: on the FFN node (role ffn, no vLLM there) afore's Prometheus families of every
+  process of the node (docs/metrics.md); 404 on the other roles, whose API port serves them.
 
 Errors are JSON ``{"error": "<field>: <what was expected, what came>", "field": "<field>"}``:
 400 for a bad request (malformed JSON, a missing or unknown field, an unknown policy, a switch
@@ -20,6 +22,7 @@ import threading
 from typing import Any, Literal, Protocol
 
 import fastapi
+import prometheus_client
 import pydantic
 import uvicorn
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +40,8 @@ class Controlled(Protocol):
     def status(self) -> dict: ...
 
     def switch_policy(self, policy: str) -> None: ...
+
+    def metrics_exposition(self) -> bytes | None: ...
 
 
 class ProcessStatus(pydantic.BaseModel):
@@ -130,6 +135,13 @@ def build_app(launcher: Controlled) -> fastapi.FastAPI:
         except Exception as exc:  # noqa: BLE001  (the scheduler failed to start: serving goes on primary-only)
             return _error(500, f"{type(exc).__name__}: {exc}")
         return launcher.status()
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Any:
+        body = launcher.metrics_exposition()
+        if body is None:
+            return _error(404, "GET /metrics: this node's metrics are on /metrics of the API port (docs/metrics.md)")
+        return fastapi.Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     return app
 

@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="OpenAI-compatible API port")
     parser.add_argument("--admin-port", type=int, default=0,
                         help="admin endpoint port (/afore/status, /afore/policy, OpenAPI at /docs); default 0 = --port + 1, -1 = off")
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="Prometheus metrics: the scheduler on this port, FFN worker w on port + 1 + w (0 = off)")
+    # removed: afore's families are on /metrics of the API port (role ffn: the admin port); docs/metrics.md
+    parser.add_argument("--metrics-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
@@ -66,10 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """The ServeOptions of parsed ``afore serve`` arguments (ValueError on a bad field)."""
+    if args.metrics_port is not None:
+        raise ValueError("metrics_port: --metrics-port is gone; afore's metrics are on /metrics of the API port "
+                         "(--port), on the FFN node of --role ffn on the admin port (docs/metrics.md)")
     store_port = args.store_port if args.store_port is not None else (0 if args.role == "all" else SPLIT_STORE_PORT)
     return ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                         policy=args.policy, device=args.device, host=args.host, port=args.port,
-                        admin_port=args.admin_port, metrics_port=args.metrics_port, microbatches=args.microbatches,
+                        admin_port=args.admin_port, microbatches=args.microbatches,
                         redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
                         colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, dtype=args.dtype,

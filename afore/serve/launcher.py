@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from afore.attention.role import DEMAND_TOKEN_ENV, AttentionRoleConfig
 from afore.config import DEFAULT_COPY_RATE_GBPS
+from afore.metrics import multiprocess
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
 from afore.scheduler.policies import POLICY_NAMES
@@ -66,7 +67,6 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     admin_port: int = 0             # 0 = port + 1; -1 = off
-    metrics_port: int = 0           # Prometheus: scheduler on this port, FFN worker w on port + 1 + w; 0 = off
     microbatches: int = 2
     redundant_slots: int = 2
     copy_budget: int = 8
@@ -100,8 +100,6 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"transport: torch-nccl needs --device cuda, got {self.device!r}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port: expected in [1, 65535], got {self.port}")
-        if self.metrics_port and not 1 <= self.metrics_port <= 65535 - 1 - self.ffn_workers:
-            raise ValueError(f"metrics_port: expected 0 (off) or in [1, {65535 - 1 - self.ffn_workers}], got {self.metrics_port}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches: expected >= 1, got {self.microbatches}")
         if self.redundant_slots < 0:
@@ -260,6 +258,7 @@ class Launcher:
         self.backend = ""   # the transport's torch.distributed backend, set by the model checks
         self.store = None   # role ffn: the transport's TCPStore, hosted here
         self.token = ""     # split roles: the demand receiver's shared token
+        self.metrics_dir = ""  # every child's Prometheus files (afore.metrics.multiprocess), made by start()
 
     # ---- start
     def start(self) -> None:
@@ -322,8 +321,8 @@ class Launcher:
         cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
                             params=SchedulerParams(copy_budget=self.opts.copy_budget),
-                            metrics_port=self.opts.metrics_port or -1, listen=listen)  # token: from the environment
-        proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent)
+                            listen=listen)  # token: from the environment
+        proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent, env=self.child_env())
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
         if listen:
@@ -380,9 +379,7 @@ class Launcher:
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
                    "--copy-rate-gbps", str(opts.copy_rate_gbps), "--backend", self.backend,
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
-            if opts.metrics_port:  # the worker serves on --metrics-port + rank
-                cmd += ["--metrics-port", str(opts.metrics_port + 1)]
-            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.child_env())))
         self._check_children("starting FFN workers")
 
     def server_command(self) -> list[str]:
@@ -408,7 +405,7 @@ class Launcher:
                                    microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s)
-        env = {**os.environ, **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        env = {**self.child_env(), **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
         if self.opts.device == "cpu":
@@ -506,6 +503,7 @@ class Launcher:
     def stop_scheduler(self) -> None:
         if self.scheduler is not None:
             _stop(self.scheduler.proc, 10.0)
+            multiprocess.mark_dead(self.scheduler.proc.pid, self.metrics_dir)  # its live gauges, if it was killed
             self.scheduler = None
         self._unlink_segments()
 
@@ -555,6 +553,24 @@ class Launcher:
         with self._lock:
             self.stop_scheduler()
         self.store = None
+        if self.metrics_dir:
+            multiprocess.remove_dir(self.metrics_dir)
+            self.metrics_dir = ""
+
+    # ---- metrics (docs/metrics.md)
+    def child_env(self) -> dict[str, str]:
+        """The environment of every child: this one, plus the run's metrics directory, so each
+        child's prometheus_client records into it and vLLM's /metrics aggregates them all."""
+        if not self.metrics_dir:
+            self.metrics_dir = multiprocess.create_dir()
+        return {**os.environ, multiprocess.ENV: self.metrics_dir}
+
+    def metrics_exposition(self) -> bytes | None:
+        """afore's families of every process of this node, for the admin port's /metrics on the
+        FFN node (role ffn has no vLLM); None elsewhere (vLLM's /metrics on the API port has them)."""
+        if self.opts.role != "ffn" or not self.metrics_dir:
+            return None
+        return multiprocess.aggregate(self.metrics_dir)
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""

@@ -55,12 +55,13 @@ def test_service_plans_every_complete_target_and_counts_misses(seg_name):
         while service.missed < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=5).read().decode()
-        assert "afore_scheduler_plans_total 5.0" in text
-        assert 'afore_scheduler_misses_total{reason="deadline"} 1.0' in text
-        assert "afore_scheduler_publish_latency_seconds_count 5.0" in text
+        assert 'afore_scheduler_plans_total{policy="afore"} 5.0' in text
+        assert 'afore_scheduler_plan_misses_total{policy="afore",reason="deadline"} 1.0' in text
+        assert 'afore_scheduler_demand_to_plan_seconds_count{policy="afore"} 5.0' in text
         assert 'afore_mailbox_reports_total{outcome="accepted",worker="0"} 6.0' in text
         assert "afore_ring_readers_live 1.0" in text
-        assert "afore_scheduler_copy_latency_seconds_count" in text
+        assert 'afore_scheduler_plan_read_seconds_count{policy="afore"}' in text
+        assert 'afore_scheduler_tile_imbalance_count{layer="0",placement="plan",policy="afore"} 5.0' in text
     finally:
         source.close()
         producer.close()
@@ -153,7 +154,7 @@ def test_cli_scheduler_status_and_sigterm_cleanup(seg_name):
         client.close()
         out = afore("status", cfg.mailbox, cfg.ring)
         assert out.returncode == 0
-        assert f"{cfg.ring}: plan_ring v1 ready, owner pid {proc.pid} alive" in out.stdout
+        assert f"{cfg.ring}: plan_ring v2 ready, owner pid {proc.pid} alive" in out.stdout
         assert "readers 1/2 alive" in out.stdout and "completed=1" in out.stdout
         listed = json.loads(afore("status", "--json").stdout)
         assert {cfg.mailbox, cfg.ring} <= {s["name"] for s in listed["segments"]}
@@ -208,7 +209,7 @@ def test_a_policy_error_costs_one_target_not_the_service(seg_name):
                 report(producer, Target(step, 0, 0), w)
             got.append(source.get(Target(step, 0, 0), step * 2, timeout_s=2.0 if step % 2 == 0 else 0.3))
         assert [p is not None for p in got] == [True, False, True, False]
-        assert 'afore_scheduler_misses_total{reason="policy_error"} 2.0' in service.metrics.render()
+        assert 'afore_scheduler_plan_misses_total{policy="afore",reason="policy_error"} 2.0' in service.metrics.render()
     finally:
         source.close()
         producer.close()

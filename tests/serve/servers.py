@@ -189,13 +189,13 @@ class FfnNode(Server):
     health_path = None
 
     def __init__(self, model: str, log_path: str, attn_workers: int = 1, ffn_workers: int = 2, policy: str = "afore"):
-        self.store_port, self.demand_port, self.admin_port, self.metrics_port = free_port(), free_port(), free_port(), free_port_pair(1 + ffn_workers)
+        self.store_port, self.demand_port, self.admin_port = free_port(), free_port(), free_port()
         self.ffn_workers = ffn_workers
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", model,
                "--attn-workers", str(attn_workers),
                "--ffn-workers", str(ffn_workers), "--policy", policy, "--colocate", "--dtype", "float32",
                "--store-port", str(self.store_port), "--demand-port", str(self.demand_port),
-               "--admin-port", str(self.admin_port), "--metrics-port", str(self.metrics_port)]
+               "--admin-port", str(self.admin_port)]
         super().__init__(cmd, self.admin_port, log_path, env={"AFORE_DEMAND_TOKEN": SPLIT_TOKEN})
 
     @property
@@ -209,9 +209,10 @@ class FfnNode(Server):
             return False
         return code == 200 and out.get("ffn_ready") == self.ffn_workers
 
-    def metrics(self, port: int) -> dict[str, float]:
-        """Prometheus samples of the endpoint on ``port`` (the scheduler: metrics_port)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples of the FFN node's endpoint (the admin port's /metrics: every process
+        of the node), by sample name with labels (sorted, as the exposition writes them)."""
+        with urllib.request.urlopen(f"{self.admin}/metrics", timeout=10) as r:
             text = r.read().decode()
         out = {}
         for line in text.splitlines():

@@ -84,6 +84,6 @@ def test_a_plan_missing_on_one_worker_is_used_by_none(tmp_path):
     for seq in range(6):
         ref = dense_moe(*inputs[seq], w.w13, w.w2)
         assert float((outs[seq].double() - ref).norm() / ref.norm()) <= 1e-5, seq
-    assert metric(text, "afore_ffn_plan_misses_total") == 0       # worker 0 had every plan ...
-    assert metric(text, "afore_ffn_primary_only_total") == 1      # ... and still ran DROP primary-only
+    assert metric(text, "afore_ffn_plans_total", 'outcome="missed"') == 0       # worker 0 had every plan ...
+    assert metric(text, "afore_ffn_primary_only_targets_total") == 1      # ... and still ran DROP primary-only
     assert [p.exitcode for p in procs] == [0, 0]

@@ -1,0 +1,57 @@
+"""Balance of one target: max/mean tile load over the FFN workers.
+
+The scheduler's objective is the smallest max_w T_w (tile load, DESIGN.md section 4); divided
+by the mean it is the imbalance factor: 1.0 = every worker has the same number of tiles, F = one
+worker has all of them. vLLM's EPLB reports the inverse (mean/max, "balancedness"). The same
+factor under the primary-only placement (every pair on its expert's fixed primary, no copies)
+is what the target would have cost without re-placement: the gap between the two is what
+placement bought.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from afore.config import ClusterShape
+
+IMBALANCE_BUCKETS = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0)
+PLACEMENTS = ("plan", "primary_only")  # label ``placement``: the plan's, or the primary-only one
+BALANCE_WINDOW = 64                    # targets per layer in the *_tile_imbalance_window gauges
+
+
+def tile_imbalance(tile_load: np.ndarray) -> float | None:
+    """max/mean of ``tile_load`` (int[F], tiles per worker); None when no worker has a tile."""
+    load = np.asarray(tile_load, dtype=np.float64)
+    assert load.ndim == 1 and load.size > 0, f"tile_load: expected a non-empty vector, got shape {load.shape}"
+    total = load.sum()
+    if total <= 0:
+        return None
+    return float(load.max() * load.size / total)
+
+
+def primary_only_tile_load(shape: ClusterShape, demand: np.ndarray) -> np.ndarray:
+    """T_w of the primary-only placement: sum over the experts whose primary is w of
+    ceil(demand[e] / m_tile). ``demand``: int[E] token-expert pairs per expert; returns int64[F]."""
+    demand = np.asarray(demand, dtype=np.int64)
+    assert demand.shape == (shape.num_experts,), f"demand: expected shape ({shape.num_experts},), got {demand.shape}"
+    tiles = -(-demand // shape.m_tile)
+    return np.bincount(shape.primary_owner, weights=tiles, minlength=shape.num_workers).astype(np.int64)
+
+
+class ImbalanceWindow:
+    """max/mean tile load over the last ``size`` targets of each key (e.g. a layer): the sum of
+    the targets' max over the sum of their mean, so a target with more tiles weighs more."""
+
+    def __init__(self, size: int = 64) -> None:
+        assert size >= 1, f"size: expected >= 1, got {size}"
+        self.size = size
+        self._recent: dict[object, collections.deque] = {}
+
+    def add(self, key: object, tile_load: np.ndarray) -> float:
+        """Add one target's ``tile_load`` (int[F], not all zero) under ``key``; returns the window's factor."""
+        load = np.asarray(tile_load, dtype=np.float64)
+        recent = self._recent.setdefault(key, collections.deque(maxlen=self.size))
+        recent.append((float(load.max()), float(load.mean())))
+        return sum(m for m, _ in recent) / sum(a for _, a in recent)
