@@ -15,18 +15,30 @@ Backends:
   ``torch``   one matmul pair per non-empty slot (CPU, and the reference on the GPU).
   ``auto``    triton on CUDA tensors when Triton imports, else torch.
 Accumulation is fp32 in both; the output has the input's dtype.
+
+``routed_expert_step`` is the FFN worker's whole step (partition + grouped GEMM + combine)
+from a device plan table (``afore.ffn.device_plan``), with no value read back to the host:
+
+  ``triton``  four launches (route, gate/up, down, combine; ``afore.ffn._triton_kernels``);
+              deterministic (no atomics in the sums), so a CUDA-graph replay equals it bit for bit
+  ``torch``   torch ops (stable sort, ``torch._grouped_mm``): the CPU path
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 
+from afore.ffn.device_plan import table_width
+from afore.ffn.partition import pair_ordinals
 from afore.routing import bin_counts
 
 BACKENDS = ("auto", "triton", "torch")
+STEP_BACKENDS = ("auto", "triton", "torch")
+LAYER_BACKENDS = ("auto", "triton", "torch", "loop")
 
 
 def grouped_expert_mlp(x: torch.Tensor, pair_token: torch.Tensor, pair_slot: torch.Tensor,
@@ -144,3 +156,157 @@ def _triton_grouped(x, pair_token, pair_slot, pair_weight, w13, w2, block_m):
     kernels.down_weighted(act, sorted_pair, block_slot, pair_weight, w2, y, p, block_m)
     out.index_add_(0, pair_token, y)
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- the FFN step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Tile sizes of the Triton step. ``block_m``: rows per block (pairs of one slot; >= 16
+    for the tensor cores, independent of the scheduler's M tile); ``gate_up_n`` / ``down_n``:
+    output columns per program of each GEMM; ``block_k``: reduction step."""
+
+    block_m: int = 16
+    gate_up_n: int = 32
+    down_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "gate_up_n", "down_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}: expected a power of two >= 16, got {value}")
+
+
+#: Candidates that ``afore.ffn.graphs`` times at capture (decode) and the benchmark sweeps.
+DECODE_CONFIGS = (
+    StepConfig(16, 32, 64, 64, 4, 3),
+    StepConfig(16, 16, 32, 128, 4, 4),
+    StepConfig(16, 64, 64, 64, 4, 3),
+    StepConfig(16, 32, 32, 128, 4, 4),
+    StepConfig(32, 32, 64, 64, 4, 3),
+    StepConfig(64, 64, 64, 64, 4, 3),
+)
+PREFILL_CONFIGS = (
+    StepConfig(64, 128, 128, 64, 8, 3),
+    StepConfig(128, 128, 128, 64, 8, 3),
+    StepConfig(64, 64, 128, 64, 4, 4),
+    StepConfig(128, 64, 128, 64, 8, 4),
+)
+
+
+def default_step_config(pairs_per_slot: float) -> StepConfig:
+    """A reasonable config for about ``pairs_per_slot`` pairs on each active slot."""
+    if pairs_per_slot <= 24:
+        return DECODE_CONFIGS[0]
+    if pairs_per_slot <= 48:
+        return DECODE_CONFIGS[4]
+    if pairs_per_slot <= 256:
+        return DECODE_CONFIGS[5]
+    return PREFILL_CONFIGS[0]
+
+
+class StepBuffers:
+    """Scratch of the Triton step for up to ``capacity`` pairs (device tensors, reused).
+
+    pair_pos int32[capacity]; sorted_pair int32[rows]; block_slot, block_rows int32[blocks];
+    used_blocks int32[1]; act [rows, I] (dtype); y fp32[rows, H]; hist int32[chunks, EP],
+    with blocks = ceil(capacity / block_m) + K and rows = blocks * block_m."""
+
+    def __init__(self, capacity: int, num_slots: int, hidden: int, intermediate: int, num_experts: int,
+                 dtype: torch.dtype, device: torch.device | str, block_m: int) -> None:
+        from afore.ffn._triton_kernels import route_chunk
+
+        self.capacity = int(capacity)
+        self.block_m = int(block_m)
+        blocks = -(-self.capacity // block_m) + num_slots
+        rows = blocks * block_m
+        i32 = dict(dtype=torch.int32, device=device)
+        self.pair_pos = torch.empty(max(1, self.capacity), **i32)
+        self.sorted_pair = torch.empty(rows, **i32)
+        self.block_slot = torch.empty(blocks, **i32)
+        self.block_rows = torch.empty(blocks, **i32)
+        self.used_blocks = torch.zeros(1, **i32)
+        self.act = torch.empty(rows, intermediate, dtype=dtype, device=device)
+        self.y = torch.empty(rows, hidden, dtype=torch.float32, device=device)
+        chunks = max(1, -(-self.capacity // route_chunk(self.capacity)))
+        self.hist = torch.empty(chunks, table_width(num_experts), **i32)
+
+
+def routed_expert_step(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, errors: torch.Tensor, num_experts: int,
+                       backend: str = "auto", config: StepConfig | None = None, buffers: StepBuffers | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """This worker's partial MoE output for one step, without reading anything back to the host.
+
+    x: [T, H]; topk_ids: int32/int64 [T, k]; topk_weights: fp32 [T, k] (contiguous);
+    table: the device plan table (``afore.ffn.device_plan``; its n = the pairs to run, the
+    first n of the row-major [T, k] pairs: T*k, or fewer when T is a padded bucket, triton
+    only); w13: [K, 2I, H]; w2: [K, H, I]; errors: int32[1] on x's device, incremented by the
+    number of ids outside [0, E) (those pairs run nowhere).
+    Returns out [T, H] in x.dtype (rows t >= n / k are left as they are, triton only).
+    """
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"backend: expected one of {STEP_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and triton_available() else "torch"
+    t, k = topk_ids.shape
+    if out is None:
+        out = torch.empty(t, x.shape[1], dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    if backend == "torch":
+        out.copy_(_torch_step(x, topk_ids, topk_weights, table, w13, w2, errors, num_experts))
+        return out
+    from afore.ffn import _triton_kernels as kernels
+
+    cfg = config or default_step_config(t * k / max(1, w13.shape[0]))
+    if buffers is None:
+        buffers = StepBuffers(t * k, w13.shape[0], x.shape[1], w2.shape[2], num_experts, x.dtype, x.device, cfg.block_m)
+    elif buffers.block_m != cfg.block_m or buffers.capacity < t * k:
+        raise ValueError(f"buffers: expected block_m {cfg.block_m} and capacity >= {t * k}, "
+                         f"got {buffers.block_m} and {buffers.capacity}")
+    ep = table_width(num_experts)
+    kernels.launch_route(topk_ids.reshape(-1), table, buffers, errors, num_experts, ep, cfg.block_m)
+    kernels.launch_experts(x, topk_weights.reshape(-1), w13, w2, buffers, k, cfg)
+    kernels.launch_combine(buffers, table, out, ep, k)
+    return out
+
+
+def _torch_step(x, topk_ids, topk_weights, table, w13, w2, errors, num_experts):
+    t, k = topk_ids.shape
+    ep = table_width(num_experts)
+    num_slots, inter = w13.shape[0], w2.shape[2]
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    errors.add_((~valid).sum().to(errors.dtype))
+    ids = torch.where(valid, flat, num_experts)
+    ordinals = pair_ordinals(ids, ep)
+    tbl = table.long()
+    lo, hi, slot = tbl[:ep][ids], tbl[ep:2 * ep][ids], tbl[2 * ep:3 * ep][ids]
+    key = torch.where((ordinals >= lo) & (ordinals < hi), slot, num_slots)
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    offs = torch.cumsum(bin_counts(key, num_slots + 1)[:num_slots], 0).to(torch.int32)
+    gate_up = _grouped_mm(x[order // k], w13, offs, sorted_key)
+    act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+    y = _grouped_mm(act, w2, offs, sorted_key).float() * topk_weights.reshape(-1).float()[order, None]
+    y = torch.where((sorted_key < num_slots)[:, None], y, 0.0)  # rows past the last group are not written
+    per_pair = torch.empty_like(y)
+    per_pair[order] = y
+    return per_pair.view(t, k, -1).sum(1).to(x.dtype)
+
+
+def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, row_slot: torch.Tensor) -> torch.Tensor:
+    """rows of group g (offs[g-1] <= row < offs[g]) times w[g]^T; a: [M, D], w: [K, N, D].
+    Rows past offs[-1] are undefined. ``torch._grouped_mm`` where its alignment holds (16-byte
+    strides), else one batched matmul over gathered weights (small shapes only)."""
+    elt = a.element_size()
+    aligned = (a.shape[1] * elt) % 16 == 0 and (w.shape[1] * elt) % 16 == 0
+    if aligned and hasattr(torch, "_grouped_mm") and (a.device.type == "cpu" or a.dtype == torch.bfloat16):
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    gathered = w[row_slot.clamp(max=w.shape[0] - 1)]
+    return torch.bmm(gathered, a.unsqueeze(2)).squeeze(2)

@@ -8,6 +8,17 @@ the plan's slot bindings sigma map their logical experts to physical slots of th
 and the grouped GEMM (``afore.ffn.experts``) computes them with the routing weights applied.
 The sum of the partial outputs over all F workers equals the monolithic MoE layer
 (invariant 1).
+
+The step reads nothing back to the host between its inputs and its output:
+
+- the plan reaches the device as this worker's plan table (``afore.ffn.device_plan``),
+  validated and converted on the host when the worker calls ``stage_plan(plan)`` (when the
+  plan arrives; ``forward`` stages it itself if that was not done), and uploaded at the
+  microbatch boundary by one copy from pinned memory;
+- ``check_inputs`` checks shapes and dtypes only; ids outside [0, E) run nowhere and are
+  counted on the device (``input_errors()`` reads the count, off the hot path);
+- on CUDA, steps of up to ``graph_buckets[-1]`` tokens replay a CUDA graph per token bucket
+  (``afore.ffn.graphs``); larger ones (prefill) launch the same kernels directly.
 """
 
 from __future__ import annotations
@@ -15,23 +26,45 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from afore.ffn.experts import grouped_expert_mlp
+from afore.ffn.device_plan import DevicePlan
+from afore.ffn.experts import LAYER_BACKENDS, StepConfig, grouped_expert_mlp, routed_expert_step, triton_available
+from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs
 from afore.ffn.partition import worker_mask
 from afore.migrator.slot_pool import SlotPool
 from afore.plan import Plan
 
 
 class FFNLayer:
-    """Routed experts of one layer on one worker, computing that worker's share of a plan."""
+    """Routed experts of one layer on one worker, computing that worker's share of a plan.
 
-    def __init__(self, pool: SlotPool, backend: str = "auto", block_m: int | None = None) -> None:
+    backend: ``auto`` (triton on CUDA, torch on CPU), ``triton``, ``torch`` (torch ops, no host
+    read) or ``loop`` (the per-expert matmul reference, which reads counts back to the host).
+    graphs: replay CUDA graphs for bucketed token counts (CUDA + triton only); ``graph_buckets``:
+    the token buckets; ``tune``: time the step's tile configs once per bucket at capture."""
+
+    def __init__(self, pool: SlotPool, backend: str = "auto", block_m: int | None = None, graphs: bool = True,
+                 graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS, tune: bool = True,
+                 config: StepConfig | None = None) -> None:
+        if backend not in LAYER_BACKENDS:
+            raise ValueError(f"backend: expected one of {LAYER_BACKENDS}, got {backend!r}")
         self.pool = pool
+        if backend == "auto":
+            backend = "triton" if pool.device.type == "cuda" and triton_available() else "torch"
         self.backend = backend
         self.block_m = block_m or pool.shape.m_tile
+        self.config = config
         self._owner = torch.as_tensor(pool.shape.primary_owner, dtype=torch.int64, device=pool.device)
+        self.plan_table = DevicePlan(pool.shape, pool.worker, pool.num_slots, pool.device)
+        self.errors = torch.zeros(1, dtype=torch.int32, device=pool.device)
+        self.graphs = None
+        if graphs and backend == "triton" and pool.device.type == "cuda":
+            self.graphs = StepGraphs(pool.w13, pool.w2, self.plan_table.table, self.errors, pool.shape.num_experts,
+                                     pool.shape.top_k, graph_buckets, tune)
 
     def check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        h, k, e = self.pool.hidden, self.pool.shape.top_k, self.pool.shape.num_experts
+        """Shapes, dtypes and devices (metadata only: no value is read, so no host sync).
+        Ids outside [0, E) are counted on the device instead (``input_errors``)."""
+        h, k = self.pool.hidden, self.pool.shape.top_k
         if hidden.dim() != 2 or hidden.shape[1] != h:
             raise ValueError(f"hidden: expected shape [N, {h}], got {tuple(hidden.shape)}")
         n = hidden.shape[0]
@@ -41,27 +74,54 @@ class FFNLayer:
             raise ValueError(f"topk_weights: expected shape [{n}, {k}], got {tuple(topk_weights.shape)}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_ids: expected dtype int32, got {topk_ids.dtype}")
-        if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
-            raise ValueError(f"topk_ids: expected values in [0, {e}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+        if not topk_weights.dtype.is_floating_point:
+            raise ValueError(f"topk_weights: expected a floating dtype, got {topk_weights.dtype}")
+        device = self.pool.device
+        for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != device:
+                raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+
+    def stage_plan(self, plan: Plan) -> None:
+        """Validate and convert ``plan`` for this worker now (host only; call when the plan
+        arrives, so that ``forward`` finds it ready). ValueError names the bad field."""
+        self.plan_table.stage(plan)
+
+    def input_errors(self) -> int:
+        """Pairs with an id outside [0, E) seen so far (reads the device counter: a host sync,
+        so call it off the hot path, e.g. with the worker's periodic report)."""
+        return int(self.errors.item())
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 plan: Plan, worker: int | None = None) -> torch.Tensor:
         worker = self.pool.worker if worker is None else worker
         if worker != self.pool.worker:
             raise ValueError(f"worker: expected {self.pool.worker} (this layer's pool), got {worker}")
+        if self.backend == "loop":
+            return self._loop_forward(hidden, topk_ids, topk_weights, plan, worker)
+        self.check_inputs(hidden, topk_ids, topk_weights)
+        table = self.plan_table.stage(plan)
+        n, k = topk_ids.shape
+        if n == 0:
+            return torch.zeros(0, self.pool.hidden, dtype=self.pool.dtype, device=self.pool.device)
+        hidden = hidden.to(self.pool.dtype)
+        self.plan_table.upload(table, n * k)
+        if self.graphs is not None and n <= self.graphs.max_tokens:
+            return self.graphs.run(hidden, topk_ids, topk_weights)
+        return routed_expert_step(hidden.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
+                                  self.plan_table.table, self.pool.w13, self.pool.w2, self.errors,
+                                  self.pool.shape.num_experts, self.backend, self.config)
+
+    __call__ = forward
+
+    def _loop_forward(self, hidden, topk_ids, topk_weights, plan, worker):
+        """The reference: eq. 11 mask + per-slot matmuls (reads counts back to the host)."""
         device = self.pool.device
-        # Small host arrays: non_blocking keeps the host ahead of the GPU (no stream sync).
-        assignment = torch.from_numpy(plan.assignment).to(device, non_blocking=True)
-        slot_of_expert = torch.from_numpy(plan.slot[:, worker].astype(np.int64)).to(device, non_blocking=True)
+        assignment = torch.from_numpy(plan.assignment).to(device)
+        slot_of_expert = torch.from_numpy(plan.slot[:, worker].astype(np.int64)).to(device)
         k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1).long()
         mine = worker_mask(topk_ids, assignment, self._owner, worker)
-        # Every pair stays in the list (no host sync); other workers' pairs get slot -1 and
-        # are skipped by the grouped GEMM.
         pair_token = torch.arange(flat_ids.numel(), device=device) // k
         pair_slot = torch.where(mine, slot_of_expert[flat_ids], -1)
-        pair_weight = topk_weights.reshape(-1).float()
-        return grouped_expert_mlp(hidden, pair_token, pair_slot, pair_weight, self.pool.w13, self.pool.w2,
-                                  backend=self.backend, block_m=self.block_m)
-
-    __call__ = forward
+        return grouped_expert_mlp(hidden, pair_token, pair_slot, topk_weights.reshape(-1).float(), self.pool.w13,
+                                  self.pool.w2, backend="torch", block_m=self.block_m)

@@ -1,0 +1,150 @@
+"""One worker's share of a plan as a small device table that the FFN step reads.
+
+The step (``afore.ffn.experts.routed_expert_step``) needs, per logical expert e, only this
+worker's column of the plan: the ordinal interval [lo, hi) of eq. 11 (``afore.ffn.partition``)
+and the physical slot sigma[e, w]. They are computed and validated on the host once, when the
+plan arrives (``DevicePlan.stage``), and reach the device at the microbatch boundary as one
+host-to-device copy from pinned memory (``DevicePlan.upload``), which also carries the pair
+count n of the step. The device table keeps its address, so a captured CUDA graph replays
+with whatever plan was uploaded last: a changed plan costs the same copy as an unchanged one.
+
+Table layout, int32[3 * EP + 1] (``EP = table_width(E)``, the next power of two above E):
+
+    [0, EP)        lo[e]     first ordinal of e that this worker runs
+    [EP, 2EP)      hi[e]     one past the last (int32 max for e's primary owner: the remainder)
+    [2EP, 3EP)     slot[e]   physical slot of e on this worker, -1 where it runs none of e
+    [3EP]          n         pairs in the step (tokens * top_k)
+
+Entries e >= E are (0, 0, -1): ids outside [0, E) fall there and run nowhere.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+
+from afore.config import ClusterShape
+from afore.plan import Plan
+
+INT32_MAX = np.iinfo(np.int32).max
+
+
+def table_width(num_experts: int) -> int:
+    """EP: the next power of two above ``num_experts`` (room for the invalid-id bin E)."""
+    return 1 << int(num_experts).bit_length()
+
+
+def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -> np.ndarray:
+    """This worker's plan table (int32[3*EP + 1], n = 0), or ValueError naming the bad field.
+
+    plan.assignment: int[E, F] a[e, w]; plan.slot: int[E, F] sigma[e, w]. Every expert that
+    this worker runs must be bound to a slot in [0, num_slots), and each primary of this worker
+    to its fixed slot.
+    """
+    e, f = shape.num_experts, shape.num_workers
+    a = np.asarray(plan.assignment)
+    s = np.asarray(plan.slot)
+    for name, arr in (("assignment", a), ("slot", s)):
+        if arr.shape != (e, f):
+            raise ValueError(f"plan.{name}: expected shape ({e}, {f}), got {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"plan.{name}: expected integers, got {arr.dtype}")
+    if np.any(a < 0):
+        raise ValueError(f"plan.assignment: expected counts >= 0, got {int(a.min())}")
+    a = a.astype(np.int64)
+    owner = shape.primary_owner
+    rows = np.arange(e)
+    non_primary = a.copy()
+    non_primary[rows, owner] = 0
+    hi_all = np.cumsum(non_primary, axis=1)
+    if hi_all.size and int(hi_all[:, -1].max()) >= INT32_MAX:
+        raise ValueError(f"plan.assignment: expected fewer than {INT32_MAX} pairs per expert")
+    lo = (hi_all - non_primary)[:, worker]
+    hi = hi_all[:, worker].copy()
+    mine_primary = owner == worker
+    lo[mine_primary] = hi_all[mine_primary, -1]
+    hi[mine_primary] = INT32_MAX
+    slot = s[:, worker].astype(np.int64)
+    works = hi > lo
+    bad = works & ((slot < 0) | (slot >= num_slots))
+    if np.any(bad):
+        ex = int(np.nonzero(bad)[0][0])
+        raise ValueError(f"plan.slot: expert {ex} runs on worker {worker} but is bound to slot {int(slot[ex])}, "
+                         f"outside [0, {num_slots})")
+    wrong = mine_primary & (slot != shape.primary_slot)
+    if np.any(wrong):
+        ex = int(np.nonzero(wrong)[0][0])
+        raise ValueError(f"plan.slot: primary {ex} of worker {worker} is bound to slot {int(slot[ex])}, "
+                         f"not its fixed slot {int(shape.primary_slot[ex])}")
+    ep = table_width(e)
+    table = np.zeros(3 * ep + 1, np.int32)
+    table[2 * ep: 3 * ep] = -1
+    table[:e] = np.where(works, lo, 0)
+    table[ep: ep + e] = np.where(works, hi, 0)
+    table[2 * ep: 2 * ep + e] = np.where(works, slot, -1)
+    return table
+
+
+class DevicePlan:
+    """The device plan table of one layer on one worker, and the plans staged for it.
+
+    ``stage(plan)`` validates and converts a plan when it arrives (host only, cached by
+    sequence number); ``upload(table, n)`` makes it current for the next step with one
+    non-blocking copy from a pinned ring buffer (a ring entry is reused only once its copy has
+    completed, checked with an event query; the ring is deep enough that this never waits)."""
+
+    def __init__(self, shape: ClusterShape, worker: int, num_slots: int, device: torch.device | str,
+                 ring: int = 64, keep: int = 64) -> None:
+        shape.check_worker(worker)
+        self.shape = shape
+        self.worker = worker
+        self.num_slots = int(num_slots)
+        self.device = torch.device(device)
+        self.width = table_width(shape.num_experts)
+        self.n_offset = 3 * self.width
+        self.table = torch.zeros(3 * self.width + 1, dtype=torch.int32, device=self.device)
+        self._staged: collections.OrderedDict[int, tuple[Plan, np.ndarray]] = collections.OrderedDict()
+        self._keep = keep
+        self._primary: np.ndarray | None = None
+        pinned = self.device.type == "cuda"
+        self._ring = [torch.zeros(3 * self.width + 1, dtype=torch.int32, pin_memory=pinned) for _ in range(ring)]
+        self._events = [torch.cuda.Event() if pinned else None for _ in range(ring)]
+        self._used = [False] * ring
+        self._next = 0
+        self.uploads = 0
+
+    def stage(self, plan: Plan) -> np.ndarray:
+        """This worker's table of ``plan`` (validated; ValueError names the bad field)."""
+        if plan.primary_only:
+            if self._primary is None:
+                self._primary = worker_table(plan, self.shape, self.worker, self.num_slots)
+            return self._primary
+        hit = self._staged.get(plan.seq)
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        table = worker_table(plan, self.shape, self.worker, self.num_slots)
+        self._staged[plan.seq] = (plan, table)
+        while len(self._staged) > self._keep:
+            self._staged.popitem(last=False)
+        return table
+
+    def upload(self, table: np.ndarray, num_pairs: int) -> torch.Tensor:
+        """Make ``table`` (from ``stage``) with n = ``num_pairs`` the current device table, in
+        stream order on the current stream; returns the device table."""
+        i = self._next
+        self._next = (i + 1) % len(self._ring)
+        event = self._events[i]
+        if event is not None and self._used[i] and not event.query():
+            event.synchronize()  # the GPU is a whole ring of steps behind: wait for the oldest copy
+        host = self._ring[i]
+        view = host.numpy()
+        view[: self.n_offset] = table[: self.n_offset]
+        view[self.n_offset] = num_pairs
+        self.table.copy_(host, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+            self._used[i] = True
+        self.uploads += 1
+        return self.table

@@ -1,0 +1,181 @@
+"""CUDA graphs of the FFN step, one per (layer, bucketed token count), as vLLM does for decode.
+
+A step of T tokens runs the graph of the smallest bucket B >= T: the inputs are copied into
+the bucket's static buffers (rows T..B-1 keep stale values that no kernel reads: the route
+kernel takes the pair count n = T*k from the device plan table), the current plan is uploaded
+into the layer's device table (``afore.ffn.device_plan``), and the graph is replayed. Nothing
+in the captured region depends on the plan's values, so a new plan (new slot map, copies just
+committed) replays the same graph at the same cost. The migrator's replica copies stay
+outside the graph: they run on the copy engine's side stream, and ``Migrator.commit`` makes the
+compute stream wait on their events before the replay is enqueued (stream order covers the
+graph like any kernel).
+
+Static buffers depend only on the shapes, so every layer of a worker shares them
+(``StaticInputs``, one set per bucket); each layer captures its own graphs because they bind
+its slot pool and its device table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from afore.ffn.experts import DECODE_CONFIGS, StepBuffers, StepConfig, default_step_config, routed_expert_step
+
+#: Token buckets captured by default (vLLM's decode capture sizes are similar).
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def bucket_for(tokens: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= ``tokens``, or None if it exceeds every bucket."""
+    for b in buckets:
+        if tokens <= b:
+            return b
+    return None
+
+
+@dataclasses.dataclass
+class StaticInputs:
+    """The fixed-address tensors one bucket's graphs read and write.
+
+    hidden [B, H] (dtype); ids int32[B, k]; weights fp32[B, k]; out [B, H]; buffers: the
+    step's scratch for B*k pairs."""
+
+    hidden: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+    buffers: StepBuffers
+    config: StepConfig
+
+
+_SHARED: dict[tuple, StaticInputs] = {}
+_CONFIGS: dict[tuple, StepConfig] = {}
+_POOLS: dict[torch.device, object] = {}
+
+
+def static_inputs(bucket: int, top_k: int, hidden: int, intermediate: int, num_slots: int, num_experts: int,
+                  dtype: torch.dtype, device: torch.device, config: StepConfig) -> StaticInputs:
+    """The shared static tensors of one bucket (allocated on first use)."""
+    key = (device, dtype, bucket, top_k, hidden, intermediate, num_slots, num_experts, config)
+    if key not in _SHARED:
+        _SHARED[key] = StaticInputs(
+            torch.zeros(bucket, hidden, dtype=dtype, device=device),
+            torch.zeros(bucket, top_k, dtype=torch.int32, device=device),
+            torch.zeros(bucket, top_k, dtype=torch.float32, device=device),
+            torch.zeros(bucket, hidden, dtype=dtype, device=device),
+            StepBuffers(bucket * top_k, num_slots, hidden, intermediate, num_experts, dtype, device, config.block_m),
+            config)
+    return _SHARED[key]
+
+
+def tuned_config(bucket: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, table: torch.Tensor,
+                 errors: torch.Tensor, candidates: tuple[StepConfig, ...] = DECODE_CONFIGS, reps: int = 10) -> StepConfig:
+    """The fastest candidate for a ``bucket``-token step on these weights' shapes (timed once
+    per shape and bucket, with the device table as it is: call with a plan uploaded).
+    Synchronises: for capture time only."""
+    device = w13.device
+    key = (device, w13.dtype, bucket, top_k, tuple(w13.shape), tuple(w2.shape), num_experts)
+    if key in _CONFIGS:
+        return _CONFIGS[key]
+    gen = torch.Generator(device="cpu").manual_seed(bucket)
+    x = torch.randn(bucket, w13.shape[2], generator=gen).to(device, w13.dtype)
+    ids = torch.randint(0, num_experts, (bucket, top_k), generator=gen, dtype=torch.int32).to(device)
+    weights = torch.rand(bucket, top_k, generator=gen).to(device)
+    scratch_errors = torch.zeros_like(errors)
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        buffers = StepBuffers(bucket * top_k, w13.shape[0], w13.shape[2], w2.shape[2], num_experts, w13.dtype, device,
+                              cfg.block_m)
+
+        def step():
+            routed_expert_step(x, ids, weights, table, w13, w2, scratch_errors, num_experts, "triton", cfg, buffers)
+
+        try:
+            for _ in range(3):
+                step()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                step()
+            end.record()
+            end.synchronize()
+        except Exception:  # noqa: BLE001 - a config that does not compile or fit is skipped
+            continue
+        ms = start.elapsed_time(end) / reps
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    _CONFIGS[key] = best or default_step_config(bucket * top_k / max(1, w13.shape[0]))
+    return _CONFIGS[key]
+
+
+class StepGraphs:
+    """The captured steps of one layer: ``run`` replays the bucket's graph for T tokens.
+
+    w13 [K, 2I, H], w2 [K, H, I]: the layer's slot pool; table: its device plan table;
+    errors: int32[1], its input-error counter. A bucket is captured on first use
+    (``capture`` ahead of serving avoids that pause)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, table: torch.Tensor, errors: torch.Tensor,
+                 num_experts: int, top_k: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS, tune: bool = True) -> None:
+        if not w13.is_cuda:
+            raise ValueError(f"w13: CUDA graphs need CUDA tensors, got {w13.device}")
+        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
+            raise ValueError(f"buckets: expected increasing positive token counts, got {buckets}")
+        self.w13, self.w2, self.table, self.errors = w13, w2, table, errors
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.buckets = tuple(buckets)
+        self.tune = tune
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.inputs: dict[int, StaticInputs] = {}
+        self.replays = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def capture(self, bucket: int) -> None:
+        """Capture the step for ``bucket`` tokens (tunes the config first if asked); synchronises."""
+        device = self.w13.device
+        cfg = (tuned_config(bucket, self.top_k, self.w13, self.w2, self.num_experts, self.table, self.errors)
+               if self.tune else default_step_config(bucket * self.top_k / max(1, self.w13.shape[0])))
+        st = static_inputs(bucket, self.top_k, self.w13.shape[2], self.w2.shape[2], self.w13.shape[0],
+                           self.num_experts, self.w13.dtype, device, cfg)
+
+        def step():
+            routed_expert_step(st.hidden, st.ids, st.weights, self.table, self.w13, self.w2, self.errors,
+                               self.num_experts, "triton", cfg, st.buffers, st.out)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()  # compiles the kernels outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        if device not in _POOLS:
+            _POOLS[device] = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=_POOLS[device]):
+            step()
+        torch.cuda.synchronize(device)
+        self.graphs[bucket] = graph
+        self.inputs[bucket] = st
+
+    def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Copy the inputs into the bucket's buffers and replay (the device table must hold this
+        step's plan and n = T*k already). Returns a new [T, H] tensor (the bucket's output
+        buffer is overwritten by the next replay)."""
+        t = hidden.shape[0]
+        bucket = bucket_for(t, self.buckets)
+        if bucket is None:
+            raise ValueError(f"hidden: {t} tokens exceed the largest captured bucket {self.max_tokens}")
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        st = self.inputs[bucket]
+        st.hidden[:t].copy_(hidden)
+        st.ids[:t].copy_(topk_ids)
+        st.weights[:t].copy_(topk_weights)
+        self.graphs[bucket].replay()
+        self.replays += 1
+        return st.out[:t].clone()
