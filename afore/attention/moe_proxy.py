@@ -56,7 +56,7 @@ class ForwardCounter:
     @property
     def link(self):
         if self._link is None:
-            self._link = TorchLink(self.cfg, self.worker)
+            self._link = ShmLink(self.cfg, self.worker) if self.cfg.shm_segment else TorchLink(self.cfg, self.worker)
         return self._link
 
     def seq(self, layer: int, microbatch: int) -> int:
@@ -94,6 +94,30 @@ class TorchLink:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class ShmLink:
+    """The A2F/F2A path through shared buffers on this node (``afore.transport.shm``): tokens
+    written once, FFN workers read only the rows they compute and reply sparsely."""
+
+    def __init__(self, cfg: role_.AttentionRoleConfig, worker: int):
+        from afore.transport.shm import ShmAttentionEnd, ShmLayout
+
+        layout = ShmLayout(num_attention=cfg.attn_workers, num_ffn=cfg.ffn_workers, hidden=cfg.hidden,
+                           top_k=cfg.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth)
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        self.end = ShmAttentionEnd(cfg.shm_segment, layout, worker, device, timeout_s=cfg.exchange_timeout_s)
+        self._pending: dict[int, object] = {}
+
+    def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> None:
+        # the copies into the shared slot convert ids to int32 and weights to fp32
+        self._pending[seq] = self.end.send(Target(step, layer, microbatch), seq, hidden, topk_ids, topk_weights)
+
+    def recv(self, seq, num_tokens, hidden, dtype) -> torch.Tensor:
+        return self.end.recv(self._pending.pop(seq))
+
+    def close(self) -> None:
+        self.end.close()
 
 
 _state: ForwardCounter | None = None
@@ -142,7 +166,12 @@ class RemoteExpertsMethod(_FusedMoEMethodBase):
         return None
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return torch.ops.afore.remote_experts(x, topk_weights, topk_ids, layer.layer_name)
+        # Allocated here, inside the compiled graph: the op is a splitting op that runs eagerly
+        # between CUDA-graph pieces, and the next piece reads its output at the address it was
+        # captured with, so the buffer must come from the graph, not from the op.
+        out = torch.empty_like(x)
+        torch.ops.afore.remote_experts(x, topk_weights, topk_ids, out, layer.layer_name)
+        return out
 
 
 class RemoteRoutedExperts(_RoutedExperts):
@@ -177,7 +206,9 @@ class RemoteRoutedExperts(_RoutedExperts):
             pass
         return iter(EXPERT_PARAMS)
 
-    def remote_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def remote_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """Exchange with the FFN pool; writes the combined routed output [n, H] into ``out``."""
         state = _counter(self.attn_worker)
         cfg = state.cfg
         if self.moe_position == 0:
@@ -191,20 +222,24 @@ class RemoteRoutedExperts(_RoutedExperts):
             seq = state.seq(self.moe_position, m)
             state.demand.emit(state.step, self.moe_position, m, seq, ids)
             link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
-        out = torch.empty_like(x)
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             part = link.recv(state.seq(self.moe_position, m), hi - lo, x.shape[1], x.dtype)
             out[lo:hi] = part.to(device=x.device, dtype=x.dtype)
-        return out
 
 
-@torch.library.custom_op("afore::remote_experts", mutates_args=())
-def remote_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
-    """Opaque to torch.compile: the exchange is I/O with the FFN pool."""
-    return _layers[layer_name].remote_forward(x, topk_weights, topk_ids)
+REMOTE_EXPERTS_OP = "afore::remote_experts"
+
+
+@torch.library.custom_op(REMOTE_EXPERTS_OP, mutates_args=("out",))
+def remote_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                   layer_name: str) -> None:
+    """Opaque to torch.compile (the exchange is I/O with the FFN pool) and a splitting op of
+    vLLM's piecewise CUDA graphs (``vllm_compat.split_graph_at``): it runs eagerly, every step.
+    ``x`` [n, H], ``topk_weights`` fp32 [n, k], ``topk_ids`` [n, k]; writes ``out`` [n, H]."""
+    _layers[layer_name].remote_forward(x, topk_weights, topk_ids, out)
 
 
 @remote_experts.register_fake
-def _(x, topk_weights, topk_ids, layer_name):
-    return torch.empty_like(x)
+def _(x, topk_weights, topk_ids, out, layer_name):
+    return None
