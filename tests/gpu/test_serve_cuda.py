@@ -1,0 +1,217 @@
+"""``afore serve --device cuda`` against plain vLLM on one GPU (run by bench/device/gpu_tests.sh).
+
+Per (dtype, mode) one plain vLLM server and one ``afore serve --device cuda --attn-workers 1
+--ffn-workers 2 --colocate --transport torch-gloo`` on the same tiny checkpoint, all started at
+once (each vLLM takes a small fixed KV cache, so they share the GPU). mode ``eager`` passes
+``--enforce-eager``; ``graphs`` is the default: torch.compile with piecewise CUDA graphs, the
+remote-experts op a splitting op. Under static, eplb and afore (switched on the running server)
+greedy output is token-identical to plain vLLM's, and for eplb and afore the FFN workers'
+counters show scheduler plans used and replica copies made (not only primary-only plans).
+Then a killed FFN worker: the request fails fast, /health turns non-200, afore serve exits
+non-zero within 10 s; after SIGTERM no process is left and the GPU memory is released.
+
+Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (eager,graphs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
+from servers import PROMPTS, Server, alive, free_port, free_port_pair, http, tiny  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ARCHS = os.environ.get("GPU_ARCHS", "qwen3_moe").split(",")
+DTYPES = os.environ.get("GPU_DTYPES", "bfloat16,float32").split(",")
+MODES = os.environ.get("GPU_MODES", "eager,graphs").split(",")
+POLICIES = ("static", "eplb", "afore")
+RESULTS = os.environ.get("GPU_RESULTS", "")  # JSON lines of every comparison, for the report
+# each server gets a small fixed KV cache, so that all of them fit on one GPU at once
+VLLM_MEMORY = ["--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(1 << 30)]
+
+
+def _mode_args(mode: str) -> list[str]:
+    return ["--enforce-eager"] if mode == "eager" else []
+
+
+class PlainCuda(Server):
+    def __init__(self, model: str, dtype: str, mode: str, log_path: str):
+        port = free_port()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+               "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", "512", "--seed", "0",
+               *VLLM_MEMORY, *_mode_args(mode)]
+        super().__init__(cmd, port, log_path, start_timeout_s=900)
+
+
+class AforeCuda(Server):
+    def __init__(self, model: str, dtype: str, mode: str, log_path: str):
+        port = free_port_pair()
+        self.metrics_port = free_port_pair(3)  # scheduler, FFN worker 0, FFN worker 1
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
+               "--ffn-workers", "2", "--colocate", "--transport", "torch-gloo", "--policy", "static",
+               "--port", str(port), "--dtype", dtype, "--max-model-len", "512", "--metrics-port", str(self.metrics_port),
+               *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
+        super().__init__(cmd, port, log_path, start_timeout_s=900)
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.port + 1}"
+
+    def set_policy(self, policy: str):
+        return http("POST", self.admin + "/afore/policy", {"policy": policy}, timeout=120)
+
+    def status(self) -> dict:
+        return http("GET", self.admin + "/afore/status", timeout=30)[1]
+
+    def counters(self) -> dict[str, float]:
+        """Sums over both FFN workers of the plan and copy counters."""
+        out = {"plans_used": 0.0, "copies": 0.0, "targets": 0.0, "primary_only": 0.0}
+        names = {"afore_ffn_plans_total": "plans_used", "afore_ffn_copies_total": "copies",
+                 "afore_ffn_targets_total": "targets", "afore_ffn_primary_only_targets_total": "primary_only"}
+        for w in range(2):
+            code, text = http("GET", f"http://127.0.0.1:{self.metrics_port + 1 + w}/metrics", timeout=10)
+            assert code == 200, text
+            for line in str(text).splitlines():
+                if line.startswith("#"):
+                    continue
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in names and (name != "afore_ffn_plans_total" or 'outcome="used"' in line):
+                    out[names[name]] += float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def _record(row: dict) -> None:
+    if RESULTS:
+        with open(RESULTS, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as fh:
+                kids = [int(c) for c in fh.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def _gpu_pids() -> set[int]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=False).stdout
+    return {int(x) for x in out.split() if x.strip().isdigit()}
+
+
+def _gpu_used_mib() -> float:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False).stdout
+    return float(out.split()[0]) if out.strip() else -1.0
+
+
+CASES = [(a, d, m) for a in ARCHS for d in DTYPES for m in MODES]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(arch, dtype, mode) -> (plain, afore), all started at once."""
+    logs = tmp_path_factory.mktemp("gpu-logs")
+    models = {a: tiny(a) for a in ARCHS}  # built here, on the GPU host
+    jobs = {}
+    with concurrent.futures.ThreadPoolExecutor(2 * len(CASES)) as pool:
+        for a, d, m in CASES:
+            jobs[(a, d, m)] = (pool.submit(PlainCuda, models[a], d, m, str(logs / f"plain-{a}-{d}-{m}.log")),
+                               pool.submit(AforeCuda, models[a], d, m, str(logs / f"afore-{a}-{d}-{m}.log")))
+        started, errors = {}, []
+        for key, (p, f) in jobs.items():
+            try:
+                started[key] = (p.result(), f.result())
+            except Exception as exc:  # noqa: BLE001 - reported below, the others still stop
+                errors.append(f"{key}: {exc}")
+    log_dir = os.environ.get("GPU_LOGS", "")
+    yield started, errors, logs
+    for plain, afore in started.values():
+        plain.stop()
+        afore.stop()
+    if log_dir:
+        subprocess.run(f"tar -czf {log_dir}/gpu-logs.tgz -C {logs} .", shell=True, check=False)
+
+
+@pytest.mark.parametrize("arch,dtype,mode", CASES)
+def test_token_identical_to_plain_vllm_under_every_policy(servers, arch, dtype, mode):
+    started, errors, _ = servers
+    assert (arch, dtype, mode) in started, "\n".join(errors)
+    plain, afore = started[(arch, dtype, mode)]
+    want = plain.greedy(PROMPTS, 16)
+    for policy in POLICIES:
+        code, body = afore.set_policy(policy)
+        assert code == 200, body
+        before = afore.counters()
+        got = afore.greedy(PROMPTS, 16)
+        after = afore.counters()
+        delta = {k: after[k] - before[k] for k in after}
+        same = [g["ids"] == w["ids"] for g, w in zip(got, want)]
+        worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["logprobs"], w["logprobs"]))
+        _record({"arch": arch, "dtype": dtype, "mode": mode, "policy": policy, "identical": all(same),
+                 "max_logprob_diff": worst, **delta})
+        assert all(same), f"{policy}: tokens differ: afore {[g['ids'] for g in got]} vllm {[w['ids'] for w in want]}"
+        assert delta["targets"] > 0
+        if policy != "static":  # plans that place replicas were used, and their copies ran
+            assert delta["plans_used"] > 0 and delta["copies"] > 0, (policy, delta)
+
+
+def test_killed_ffn_worker_fails_fast_and_afore_serve_exits_nonzero(servers):
+    started, errors, _ = servers
+    key = CASES[-1]
+    assert key in started, "\n".join(errors)
+    _, afore = started[key]
+    pid = afore.status()["processes"]["ffn-1"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        code, out = afore.complete(PROMPTS[0], max_tokens=8, timeout=60)
+    except OSError as exc:
+        code, out = 599, repr(exc)
+    failed_after = time.monotonic() - t0
+    health = afore.health()
+    rc = afore.proc.wait(30)
+    exited_after = time.monotonic() - t0
+    _record({"fault": "ffn worker SIGKILL", "request_code": code, "request_failed_after_s": failed_after,
+             "health_after": health, "exit_code": rc, "exited_after_s": exited_after})
+    assert code >= 500, out
+    assert failed_after < 10
+    assert health != 200
+    assert rc != 0 and exited_after < 10, (rc, exited_after)
+
+
+def test_sigterm_leaves_no_process_and_no_gpu_memory(servers):
+    started, errors, _ = servers
+    key = CASES[0]
+    assert key in started, "\n".join(errors)
+    _, afore = started[key]
+    procs = [afore.proc.pid, *_descendants(afore.proc.pid)]
+    held = _gpu_pids() & set(procs)  # empty where nvidia-smi cannot see this PID namespace
+    used_before = _gpu_used_mib()
+    afore.proc.send_signal(signal.SIGTERM)
+    rc = afore.proc.wait(60)
+    deadline = time.monotonic() + 30
+    while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    on_gpu = _gpu_pids() & set(procs)
+    _record({"fault": "SIGTERM", "exit_code": rc, "processes_left": left, "gpu_pids_while_running": sorted(held),
+             "gpu_pids_left": sorted(on_gpu), "gpu_used_mib_before": used_before, "gpu_used_mib_after": _gpu_used_mib()})
+    assert not left, f"processes left: {left}"
+    assert not on_gpu, f"processes still holding GPU memory: {on_gpu}"
