@@ -112,9 +112,12 @@ def decode_header(data: bytes | memoryview) -> tuple[PlanHeader, int]:
 def decode_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
     """The Plan encoded in ``data`` for a pool of ``shape``.
 
-    Arrays are read-only int32 views of ``data`` (``demand`` is an int64 copy, ``replicas``
-    is ``slot >= 0``). Raises ValueError on a malformed, truncated, corrupted plan or one for
-    another shape.
+    Arrays are int32 views of one writable copy of the body (``demand`` is an int64 copy,
+    ``replicas`` is ``slot >= 0``), like the arrays of a plan a policy made: views of ``data``
+    itself would be read-only (it is ``bytes`` from the ring), and torch.from_numpy of a read-only
+    array, which the FFN side does with ``assignment``, warns and aliases it writable. The copy is
+    the body's size (13 KB at E=128, F=8). Raises ValueError on a malformed, truncated, corrupted
+    plan or one for another shape.
     """
     header, offset = decode_header(data)
     e, f, c = header.num_experts, header.num_workers, header.num_copies
@@ -128,7 +131,7 @@ def decode_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
         raise ValueError(f"plan.layer: expected in [0, {shape.num_layers}), got {header.layer}")
     if len(data) - offset != body_length(e, f, c):
         raise ValueError(f"plan.body: expected {body_length(e, f, c)} bytes, got {len(data) - offset}")
-    body = np.frombuffer(data, dtype=_I32, offset=offset)
+    body = np.frombuffer(data, dtype=_I32, offset=offset).copy()
     ef = e * f
     demand, rest = body[:e], body[e:]
     assignment, tiles, slot = rest[:ef].reshape(e, f), rest[ef:2 * ef].reshape(e, f), rest[2 * ef:3 * ef].reshape(e, f)
