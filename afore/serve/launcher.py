@@ -391,6 +391,10 @@ class Launcher:
             cmd += ["--data-parallel-size", str(opts.attn_workers)]
         if opts.enforce_eager:
             cmd.append("--enforce-eager")
+        elif opts.device == "cuda":
+            # piecewise CUDA graphs only: the remote-experts exchange (host I/O) is a splitting op
+            # and runs between the captured pieces; a full graph would capture it
+            cmd += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
         return cmd + list(opts.vllm_args)
 
     def start_server(self) -> None:
@@ -524,11 +528,14 @@ class Launcher:
             if self.server is not None and self.server.proc.poll() is not None:
                 log.error("afore: vLLM server exited with %s", self.server.proc.returncode)
                 return 1
-            if self.opts.role == "ffn":
-                dead = [c for c in self.ffn if c.proc.poll() is not None]
-                if dead:  # the attention node's exchanges fail now; restart the pair (LWS restarts the group)
-                    log.error("afore: %s exited with %s; stopping the FFN node", dead[0].name, dead[0].proc.returncode)
-                    return 1
+            dead = [c for c in self.ffn if c.proc.poll() is not None]
+            if dead:
+                # The exchanges of every request fail now and the FFN pool cannot be rebuilt under a
+                # running vLLM: exit non-zero so the orchestrator restarts the replica (on two nodes
+                # the pair: LWS restarts the group); vLLM's /health is non-200 until it stops.
+                log.error("afore: %s exited with %s; stopping (restart afore serve to recover)",
+                          dead[0].name, dead[0].proc.returncode)
+                return 1
             for child in self.children():
                 key = f"{child.name}:{child.proc.pid}"
                 if child.proc.poll() is not None and key not in reported:
