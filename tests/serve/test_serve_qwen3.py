@@ -167,14 +167,16 @@ def test_a1f2_ffn_worker_killed_fails_fast_and_unhealthy(a1f2):
     pid = a1f2.status()["processes"]["ffn-1"]["pid"]
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    code, out = a1f2.complete(PROMPTS[0], max_tokens=8, timeout=60)
+    try:
+        code, out = a1f2.complete(PROMPTS[0], max_tokens=8, timeout=60)
+    except OSError as exc:  # afore serve is already stopping vLLM: the connection is refused or reset
+        code, out = 599, repr(exc)
     elapsed = time.monotonic() - t0
     assert code >= 500, out
     assert elapsed < 30, f"request took {elapsed:.1f} s to fail"
-    deadline = time.monotonic() + 30
-    while a1f2.health() == 200 and time.monotonic() < deadline:
-        time.sleep(0.5)
     assert a1f2.health() != 200
+    # afore serve exits non-zero so that an orchestrator restarts the replica
+    assert a1f2.proc.wait(10 + 30) != 0  # 10 s to notice and stop, plus vLLM's own shutdown on 2 shared cores
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
