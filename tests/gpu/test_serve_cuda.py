@@ -56,10 +56,9 @@ class PlainCuda(Server):
 class AforeCuda(Server):
     def __init__(self, model: str, dtype: str, mode: str, log_path: str):
         port = free_port_pair()
-        self.metrics_port = free_port_pair(3)  # scheduler, FFN worker 0, FFN worker 1
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
                "--ffn-workers", "2", "--colocate", "--transport", "torch-gloo", "--policy", "static",
-               "--port", str(port), "--dtype", dtype, "--max-model-len", "512", "--metrics-port", str(self.metrics_port),
+               "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
                *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
         super().__init__(cmd, port, log_path, start_timeout_s=900)
 
@@ -74,19 +73,18 @@ class AforeCuda(Server):
         return http("GET", self.admin + "/afore/status", timeout=30)[1]
 
     def counters(self) -> dict[str, float]:
-        """Sums over both FFN workers of the plan and copy counters."""
+        """Sums over both FFN workers of the plan and copy counters (vLLM's /metrics carries them)."""
         out = {"plans_used": 0.0, "copies": 0.0, "targets": 0.0, "primary_only": 0.0}
         names = {"afore_ffn_plans_total": "plans_used", "afore_ffn_copies_total": "copies",
                  "afore_ffn_targets_total": "targets", "afore_ffn_primary_only_targets_total": "primary_only"}
-        for w in range(2):
-            code, text = http("GET", f"http://127.0.0.1:{self.metrics_port + 1 + w}/metrics", timeout=10)
-            assert code == 200, text
-            for line in str(text).splitlines():
-                if line.startswith("#"):
-                    continue
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                if name in names and (name != "afore_ffn_plans_total" or 'outcome="used"' in line):
-                    out[names[name]] += float(line.rsplit(" ", 1)[1])
+        code, text = http("GET", self.url + "/metrics", timeout=10)
+        assert code == 200, text
+        for line in str(text).splitlines():
+            if line.startswith("#"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names and (name != "afore_ffn_plans_total" or 'outcome="used"' in line):
+                out[names[name]] += float(line.rsplit(" ", 1)[1])
         return out
 
 
