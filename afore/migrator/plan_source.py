@@ -93,22 +93,34 @@ class RingPlanSource(PlanSource):
     """Plans from the scheduler service's PlanRing, as reader ``reader_id`` (the worker's rank).
 
     ``spin_s``: busy-poll this long before sleeping while waiting (lowest latency, costs a core).
-    If the scheduler restarts (its segment is replaced), the source re-attaches on the next miss.
+    A dead scheduler (pid gone, or heartbeat older than the ring's writer timeout) makes every
+    ``get`` return None at once instead of after ``timeout_s``; when the scheduler restarts (its
+    segment is replaced), the source re-attaches on a later miss (checked at most every
+    ``REATTACH_EVERY_S``).
     """
+
+    REATTACH_EVERY_S = 0.005
 
     def __init__(self, name: str, reader_id: int, shape: ClusterShape, spin_s: float = 0.0):
         super().__init__()
         self.name, self.reader_id, self.shape, self.spin_s = name, reader_id, shape, spin_s
         self.ring = PlanRing.attach(name, reader_id, shape)
+        self.writer_dead_misses = 0  # targets that got no plan because the scheduler was dead
+        self._next_reattach = 0.0
 
     @property
     def rejected(self) -> int:
         return self.ring.rejected
 
     def _get(self, target: Target, seq: int, timeout_s: float) -> Plan | None:
-        plan = self.ring.wait(seq, timeout_s, target, self.spin_s)
-        if plan is None and self.ring.replaced():
-            self._reattach()
+        plan = self.ring.wait(seq, timeout_s, target, self.spin_s)  # returns at once if the writer is dead
+        if plan is None:
+            self.writer_dead_misses += self.ring.writer_dead
+            now = time.monotonic()
+            if now >= self._next_reattach:
+                self._next_reattach = now + self.REATTACH_EVERY_S
+                if self.ring.replaced():
+                    self._reattach()
         return plan
 
     def _reattach(self) -> None:

@@ -12,7 +12,11 @@ the FFN side then runs it on the primary-only assignment (DESIGN.md invariant 5)
 Full policy: ``put`` blocks up to ``timeout_s`` while the worker's ring is full, then drops the
 report, counts it (``dropped_full``) and returns False; if the scheduler has not polled for a
 second it drops at once. The ring only fills when the scheduler is stalled or gone; serving
-goes on without plans. If the scheduler was restarted (the segment
+goes on without plans. Complete targets wait for the scheduler in a queue of at most
+``max_ready`` (oldest dropped beyond it: ``ready_overflow``); with ``run_lag`` (the service
+uses num_microbatches), a complete target whose FFN stage has already run, because a worker
+already reported seq + run_lag (the next layer of the same microbatch), is dropped instead of
+planned (``ran_before_plan``). If the scheduler was restarted (the segment
 was replaced), the producer re-attaches to the new segment and retries once.
 
 Bad input (wrong length, negative counts, unknown worker/layer/microbatch, a duplicate or
@@ -84,6 +88,8 @@ class DemandMailbox:
       capacity: entries per worker ring (a report is one entry).
       deadline_s: a target still incomplete this long after its first report is dropped (0 = never).
       max_pending: incomplete targets kept at most; beyond it the oldest is dropped.
+      max_ready: complete targets queued for the scheduler at most; beyond it the oldest is dropped.
+      run_lag: drop a complete target once any worker reported seq + run_lag (0 = never).
     """
 
     def __init__(self, handle, shape: ClusterShape | None, num_microbatches: int, owner: bool, name: str):
@@ -96,15 +102,20 @@ class DemandMailbox:
 
     @classmethod
     def create(cls, name: str, shape: ClusterShape, num_producers: int, num_microbatches: int = 2,
-               capacity: int = 256, deadline_s: float = 0.05, max_pending: int = 4096) -> "DemandMailbox":
+               capacity: int = 256, deadline_s: float = 0.05, max_pending: int = 4096, max_ready: int = 64,
+               run_lag: int = 0) -> "DemandMailbox":
         if not 1 <= num_producers <= 64:
             raise ValueError(f"num_producers: expected in [1, 64], got {num_producers}")
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches: expected >= 1, got {num_microbatches}")
         if not deadline_s >= 0:
             raise ValueError(f"deadline_s: expected >= 0, got {deadline_s}")
+        if max_ready < 1:
+            raise ValueError(f"max_ready: expected >= 1, got {max_ready}")
+        if run_lag < 0:
+            raise ValueError(f"run_lag: expected >= 0 (0 = never drop), got {run_lag}")
         handle = _shm.MailboxConsumer(name, num_producers, shape.num_experts, shape.num_layers, num_microbatches,
-                                      capacity, int(deadline_s * 1e9), max_pending)
+                                      capacity, int(deadline_s * 1e9), max_pending, max_ready, run_lag)
         return cls(handle, shape, num_microbatches, True, name)
 
     @classmethod

@@ -6,6 +6,11 @@ gone, or that did not call ``read`` for ``liveness_timeout_s`` while holding the
 evicted and cannot block the writer longer than that (DESIGN.md invariant 4). An evicted
 reader rejoins at the newest entry on its next read (the plans in between are misses).
 
+The writer can die as well (invariant 5): a reader that finds nothing new checks the writer's
+pid and, when the ring was created with ``writer_timeout_s``, the writer's heartbeat
+(``heartbeat()``, called by an idle scheduler); ``read``/``wait`` then return None at once and
+``writer_dead`` is True, so a dead scheduler costs no plan timeout per target.
+
 Entries are ``plan_codec`` bytes: version, target, seq, crc32 and the int32 body. A reader
 rejects (returns None and counts) stale, out-of-order, torn or corrupted plans and plans whose
 target does not match the one asked for (invariant 3).
@@ -38,19 +43,26 @@ class PlanRing:
         self.name = name
         self.rejected = 0
         self.last_copied_ns = 0
+        self.writer_dead = False  # reader: the last read found the writer gone (no plan is coming)
 
     @classmethod
     def create(cls, name: str, shape: ClusterShape, num_readers: int | None = None, num_slots: int = 16,
-               liveness_timeout_s: float = 1.0, pid_check: bool = True, max_copies: int | None = None) -> "PlanRing":
+               liveness_timeout_s: float = 1.0, pid_check: bool = True, max_copies: int | None = None,
+               writer_timeout_s: float = 0.0) -> "PlanRing":
         """Create (or replace a stale) ring for plans of ``shape``; readers default to F workers.
 
-        ``pid_check``: also treat a reader whose pid is gone as dead (needs a shared pid namespace).
+        ``pid_check``: treat a reader (and, on the readers' side, the writer) whose pid is gone as
+        dead (needs a shared pid namespace). ``writer_timeout_s``: readers also call the writer
+        dead once its heartbeat is older than this (s; 0 = pid only); the writer then calls
+        ``heartbeat()`` at least that often while it has nothing to publish.
         """
         readers = shape.num_workers if num_readers is None else num_readers
         if not liveness_timeout_s >= 0.001:
             raise ValueError(f"liveness_timeout_s: expected >= 0.001, got {liveness_timeout_s}")
+        if not 0 <= writer_timeout_s <= 1e6:
+            raise ValueError(f"writer_timeout_s: expected seconds in [0, 1e6] (0 = pid only), got {writer_timeout_s}")
         handle = _shm.RingWriter(name, readers, num_slots, max_encoded_length(shape, max_copies),
-                                 int(liveness_timeout_s * 1e9), pid_check)
+                                 int(liveness_timeout_s * 1e9), pid_check, int(writer_timeout_s * 1e9))
         return cls(handle, shape, True, name)
 
     @classmethod
@@ -82,6 +94,10 @@ class PlanRing:
     def live_readers(self) -> int:
         return self._handle.live_readers()
 
+    def heartbeat(self) -> None:
+        """Writer: tell the readers it is alive while it has nothing to publish."""
+        self._handle.heartbeat()
+
     # ---- reader
     def read(self, seq: int, target: Target | None = None) -> Plan | None:
         """The plan for ``seq`` if it is in the ring now, else None (not yet, missed or rejected)."""
@@ -95,9 +111,10 @@ class PlanRing:
         """(status, entry seq, payload, copied_ns) without decoding (benchmarks, stress tests).
 
         status is ``_shm.FOUND``, ``NOT_YET``, ``MISSED`` (entry seq: the later plan that is
-        there instead) or ``CLOSED``.
+        there instead), ``CLOSED`` or ``WRITER_DEAD``.
         """
         status, entry_seq, _, _, _, payload, copied_ns = self._handle.wait_read(seq, timeout_s, spin_s)
+        self.writer_dead = status == _shm.WRITER_DEAD
         return status, entry_seq, payload, copied_ns
 
     def replaced(self) -> bool:
@@ -106,6 +123,7 @@ class PlanRing:
 
     def _decode(self, got, seq: int, target: Target | None) -> Plan | None:
         status, entry_seq, step, layer, microbatch, payload, copied_ns = got
+        self.writer_dead = status == _shm.WRITER_DEAD
         if status != _shm.FOUND:
             return None
         self.last_copied_ns = copied_ns

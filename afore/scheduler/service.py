@@ -41,7 +41,12 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     its first demand report gets no plan. ``listen``: "host:port" of the demand receiver for
     remote attention workers ("" = none; needs ``token``, or $AFORE_DEMAND_TOKEN when it is empty,
     which keeps the secret off the command line). ``metrics_port``: Prometheus HTTP
-    port (-1 = off, 0 = any free port). ``spin_us``: busy-poll the mailbox this long before
+    port (-1 = off, 0 = any free port), bound to ``metrics_host`` (``afore serve --host``).
+    ``run_lag``: a complete target is not planned once a worker has reported the target this
+    many seqs later (-1 = num_microbatches: the next layer of the same microbatch, so the FFN
+    stage ran already; 0 = plan everything, for producers that are not a pipeline).
+    ``writer_timeout_s``: the FFN workers call the scheduler dead (and run primary-only at once)
+    when its pid is gone or it has not beaten its heartbeat for this long (0 = pid only). ``spin_us``: busy-poll the mailbox this long before
     sleeping (lower latency, costs a core).
     """
 
@@ -52,14 +57,17 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_producers: int = 1
     num_microbatches: int = 2
     mailbox_capacity: int = 256
+    run_lag: int = -1
     ring_slots: int = 16
     deadline_ms: float = 50.0
     liveness_timeout_s: float = 1.0
+    writer_timeout_s: float = 1.0
     pid_check: bool = True
     spin_us: float = 0.0
     listen: str = ""
     token: str = ""
     metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
     params: SchedulerParams = SchedulerParams()
     cost: CostModel = CostModel()
 
@@ -70,6 +78,10 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"num_microbatches: expected >= 1, got {self.num_microbatches}")
         if not self.deadline_ms >= 0:
             raise ValueError(f"deadline_ms: expected >= 0, got {self.deadline_ms}")
+        if self.run_lag < -1:
+            raise ValueError(f"run_lag: expected >= 0, or -1 (num_microbatches), got {self.run_lag}")
+        if not self.writer_timeout_s >= 0:
+            raise ValueError(f"writer_timeout_s: expected >= 0 (0 = pid only), got {self.writer_timeout_s}")
         if not self.spin_us >= 0:
             raise ValueError(f"spin_us: expected >= 0, got {self.spin_us}")
         if self.listen and not (self.token or os.environ.get(DEMAND_TOKEN_ENV)):
@@ -93,9 +105,11 @@ class SchedulerService:
         c = config
         self.policy = policy if policy is not None else make_service_policy(c.policy, c.shape, c.params, c.cost)
         self.mailbox = DemandMailbox.create(c.mailbox, c.shape, c.num_producers, c.num_microbatches,
-                                            c.mailbox_capacity, c.deadline_ms / 1e3)
+                                            c.mailbox_capacity, c.deadline_ms / 1e3, max_ready=c.mailbox_capacity,
+                                            run_lag=c.num_microbatches if c.run_lag < 0 else c.run_lag)
         try:
-            self.ring = PlanRing.create(c.ring, c.shape, c.shape.num_workers, c.ring_slots, c.liveness_timeout_s, c.pid_check)
+            self.ring = PlanRing.create(c.ring, c.shape, c.shape.num_workers, c.ring_slots, c.liveness_timeout_s, c.pid_check,
+                                        writer_timeout_s=c.writer_timeout_s)
         except BaseException:
             self.mailbox.close()
             raise
@@ -118,7 +132,7 @@ class SchedulerService:
         self._endpoints_started = True
         c = self.config
         if c.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(c.metrics_port)
+            self.metrics_port = self.metrics.serve(c.metrics_port, c.metrics_host)
         if c.listen:
             host, port = c.listen.rsplit(":", 1)
             self._receiver_mailbox = DemandMailbox.attach(c.mailbox)
@@ -166,6 +180,7 @@ class SchedulerService:
     # ---- one iteration
     def step(self, timeout_s: float = 0.05) -> int:
         """Plan and publish at most one target; returns the number of plans published (0 or 1)."""
+        self.ring.heartbeat()  # idle or not, the FFN workers see the scheduler alive
         got = self.mailbox.wait_complete(timeout_s, self.config.spin_us * 1e-6)
         self.metrics.sync_segments()
         self._count_misses()
@@ -228,6 +243,11 @@ def start_scheduler_process(config: ServiceConfig, ready_timeout_s: float = 30.0
             return proc
         time.sleep(0.02)
     proc.terminate()
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     raise TimeoutError(f"afore scheduler: segments not ready after {ready_timeout_s} s")
 
 

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="", help="host:port of the demand receiver for remote attention workers")
     parser.add_argument("--token", default="", help="shared token of the demand receiver")
     parser.add_argument("--metrics-port", type=int, default=-1, help="Prometheus /metrics port (-1 off, 0 any)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics endpoint binds to")
+    parser.add_argument("--writer-timeout", type=float, default=1.0,
+                        help="seconds without a scheduler heartbeat before FFN workers run primary-only (0 = pid only)")
     parser.add_argument("--theta", type=int, default=SchedulerParams().theta)
     parser.add_argument("--copy-budget", type=int, default=SchedulerParams().copy_budget)
     parser.add_argument("--no-chains", action="store_true",
@@ -66,7 +69,7 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
         shape=parse_shape(args.shape), policy=args.policy, mailbox=args.mailbox, ring=args.ring,
         num_producers=args.attn_workers, num_microbatches=args.microbatches, deadline_ms=args.deadline_ms,
         liveness_timeout_s=args.liveness_timeout, pid_check=not args.no_pid_check, spin_us=args.spin_us, listen=args.listen, token=args.token,
-        metrics_port=args.metrics_port, params=SchedulerParams(theta=args.theta, copy_budget=args.copy_budget, chains=not args.no_chains),
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, writer_timeout_s=args.writer_timeout, params=SchedulerParams(theta=args.theta, copy_budget=args.copy_budget, chains=not args.no_chains),
         cost=CostModel())
 
 
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         service.start_endpoints()
         if service.metrics_port is not None:
-            log.info("metrics on http://0.0.0.0:%d/metrics", service.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.metrics_host, service.metrics_port)
         if service.receiver is not None:
             log.info("demand receiver on %s:%d", service.receiver.host, service.receiver.port)
         service.run()

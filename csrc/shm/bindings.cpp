@@ -90,6 +90,8 @@ nb::dict inspect(const std::string& name) {
     c["overflow"] = m->overflow.load();
     c["pending"] = m->pending.load();
     c["rejected_unknown_worker"] = m->rejected_unknown_worker.load();
+    c["ran_before_plan"] = m->ran_before_plan.load();
+    c["ready_overflow"] = m->ready_overflow.load();
     d["counters"] = c;
     nb::list producers;
     for (uint32_t w = 0; w < m->num_producers; ++w) {
@@ -121,6 +123,9 @@ nb::dict inspect(const std::string& name) {
     d["slot_capacity"] = rh->slot_capacity;
     d["liveness_timeout_s"] = double(rh->liveness_timeout_ns) * 1e-9;
     d["writer_heartbeat_age_s"] = double(now - std::min(now, rh->writer_heartbeat_ns.load())) * 1e-9;
+    d["writer_pid"] = rh->writer_pid;
+    d["writer_alive"] = pid_alive(rh->writer_pid);
+    d["writer_timeout_s"] = double(rh->writer_timeout_ns) * 1e-9;
     nb::dict c;
     c["published"] = rh->published.load();
     c["last_seq"] = rh->last_seq.load();
@@ -147,6 +152,7 @@ nb::dict inspect(const std::string& name) {
       rd["torn"] = rec->torn.load();
       rd["rejected"] = rec->rejected.load();
       rd["evicted"] = rec->evicted.load();
+      rd["writer_dead"] = rec->writer_dead.load();
       readers.append(rd);
     }
     d["readers"] = readers;
@@ -171,13 +177,16 @@ NB_MODULE(_shm, m) {
   m.attr("NOT_YET") = int(kNotYet);
   m.attr("MISSED") = int(kMissed);
   m.attr("CLOSED") = int(kRingClosed);
+  m.attr("WRITER_DEAD") = int(kWriterDead);
   m.def("monotonic_ns", &monotonic_ns, "CLOCK_MONOTONIC in ns (the clock of every stamp in shm)");
   m.def("inspect", &inspect, "name"_a);
 
   nb::class_<MailboxConsumer>(m, "MailboxConsumer")
-      .def(nb::init<const std::string&, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint64_t, uint32_t>(),
+      .def(nb::init<const std::string&, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint64_t, uint32_t, uint32_t,
+                    uint32_t>(),
            "name"_a, "num_producers"_a, "num_experts"_a, "num_layers"_a, "num_microbatches"_a, "capacity"_a,
-           "deadline_ns"_a, "max_pending"_a)
+           "deadline_ns"_a, "max_pending"_a, "max_ready"_a = 64, "run_lag"_a = 0,
+           nb::call_guard<nb::gil_scoped_release>())  // create may wait for another process's creation
       .def("wait_complete",
            [](MailboxConsumer& self, double timeout_s, double spin_s) -> nb::object {
              uint64_t timeout = seconds_to_ns(timeout_s, "timeout_s"), spin = seconds_to_ns(spin_s, "spin_s");
@@ -221,8 +230,10 @@ NB_MODULE(_shm, m) {
       .def_prop_ro("num_microbatches", [](const MailboxProducer& s) { return s.header()->num_microbatches; });
 
   nb::class_<RingWriter>(m, "RingWriter")
-      .def(nb::init<const std::string&, uint32_t, uint32_t, uint32_t, uint64_t, bool>(), "name"_a, "num_readers"_a,
-           "num_slots"_a, "slot_capacity"_a, "liveness_timeout_ns"_a, "pid_check"_a = true)
+      .def(nb::init<const std::string&, uint32_t, uint32_t, uint32_t, uint64_t, bool, uint64_t>(), "name"_a,
+           "num_readers"_a, "num_slots"_a, "slot_capacity"_a, "liveness_timeout_ns"_a, "pid_check"_a = true,
+           "writer_timeout_ns"_a = 0, nb::call_guard<nb::gil_scoped_release>())
+      .def("heartbeat", &RingWriter::heartbeat)
       .def("publish",
            [](RingWriter& self, int64_t seq, int64_t step, int32_t layer, int32_t microbatch, nb::bytes data,
               double timeout_s) {

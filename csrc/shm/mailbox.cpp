@@ -25,10 +25,12 @@ static EntryHead* entry_at(ProducerRing* ring, const MailboxLayout& lay, uint64_
 
 MailboxConsumer::MailboxConsumer(const std::string& name, uint32_t producers, uint32_t experts,
                                  uint32_t layers, uint32_t microbatches, uint32_t capacity,
-                                 uint64_t deadline_ns, uint32_t max_pending)
+                                 uint64_t deadline_ns, uint32_t max_pending, uint32_t max_ready, uint32_t run_lag)
     : layout_(producers, experts, layers, microbatches, capacity),
       deadline_ns_(deadline_ns),
-      max_pending_(max_pending) {
+      max_pending_(max_pending),
+      max_ready_(max_ready),
+      run_lag_(run_lag) {
   require(producers >= 1 && producers <= kMaxProducers,
           "num_producers: expected in [1, 64], got " + std::to_string(producers));
   require(experts >= 1, "num_experts: expected >= 1");
@@ -36,6 +38,7 @@ MailboxConsumer::MailboxConsumer(const std::string& name, uint32_t producers, ui
   require(microbatches >= 1, "num_microbatches: expected >= 1");
   require(capacity >= 1 && capacity <= (1u << 20), "capacity: expected in [1, 1048576], got " + std::to_string(capacity));
   require(max_pending >= 1, "max_pending: expected >= 1");
+  require(max_ready >= 1, "max_ready: expected >= 1");
   seg_.create(name, layout_.total, SegmentKind::kMailbox);
   hdr_ = new (seg_.base() + sizeof(SegmentHeader)) MailboxHeader;
   hdr_->num_producers = producers;
@@ -72,6 +75,7 @@ void MailboxConsumer::miss(std::map<int64_t, Pending>::iterator it, const char* 
 }
 
 void MailboxConsumer::accept(const EntryHead& h, const int32_t* counts, uint32_t worker) {
+  if (h.seq > newest_reported_) newest_reported_ = h.seq;
   if (h.seq <= last_emitted_) {
     hdr_->late.fetch_add(1, std::memory_order_relaxed);
     return;
@@ -106,6 +110,10 @@ void MailboxConsumer::accept(const EntryHead& h, const int32_t* counts, uint32_t
   while (pending_.begin()->first < h.seq) {
     miss(pending_.begin(), "incomplete");
     hdr_->incomplete_skipped.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (ready_.size() >= max_ready_) {
+    ready_.pop_front();
+    hdr_->ready_overflow.fetch_add(1, std::memory_order_relaxed);
   }
   ready_.push_back({h.seq, p.step, p.layer, p.microbatch, std::move(p.sum), p.last_written_ns, monotonic_ns()});
   pending_.erase(it);
@@ -147,6 +155,10 @@ bool MailboxConsumer::wait_complete(uint64_t timeout_ns, uint64_t spin_ns, Compl
     drain();
     uint64_t now = monotonic_ns();
     hdr_->consumer_heartbeat_ns.store(now, std::memory_order_relaxed);
+    while (!ready_.empty() && run_lag_ > 0 && ready_.front().seq + int64_t(run_lag_) <= newest_reported_) {
+      ready_.pop_front();
+      hdr_->ran_before_plan.fetch_add(1, std::memory_order_relaxed);
+    }
     if (!ready_.empty()) {
       out = std::move(ready_.front());
       ready_.pop_front();

@@ -15,6 +15,12 @@
 // Full policy: put() blocks up to its timeout for the consumer to free an entry, then drops the
 // report and counts it (`dropped_full`); the target then misses its plan (the FFN side runs
 // the primary-only assignment, invariant 5).
+//
+// Backlog policy: complete targets wait in a queue of at most `max_ready` (the oldest is dropped
+// beyond it, `ready_overflow`); with `run_lag` > 0, a complete target is dropped instead of
+// handed out once some worker has reported seq + run_lag (`ran_before_plan`): with run_lag =
+// num_microbatches that report is the next layer of the same microbatch, which the attention
+// worker computes only after the FFN stage of this target returned, so a plan would be late.
 #pragma once
 
 #include <deque>
@@ -47,6 +53,8 @@ struct alignas(kCacheLine) MailboxHeader {
   std::atomic<uint64_t> overflow;            // pending targets beyond the bound, oldest dropped
   std::atomic<uint64_t> pending;             // gauge
   std::atomic<uint64_t> rejected_unknown_worker;  // producers: worker id out of range
+  std::atomic<uint64_t> ran_before_plan;  // complete, but its FFN stage already ran (see run_lag)
+  std::atomic<uint64_t> ready_overflow;   // complete targets beyond max_ready, oldest dropped
 };
 
 struct alignas(kCacheLine) ProducerRing {
@@ -92,7 +100,8 @@ class MailboxConsumer {
   };
 
   MailboxConsumer(const std::string& name, uint32_t producers, uint32_t experts, uint32_t layers,
-                  uint32_t microbatches, uint32_t capacity, uint64_t deadline_ns, uint32_t max_pending);
+                  uint32_t microbatches, uint32_t capacity, uint64_t deadline_ns, uint32_t max_pending,
+                  uint32_t max_ready = 64, uint32_t run_lag = 0);
   ~MailboxConsumer() { close(); }
 
   // Next complete target in seq order, or false on timeout.
@@ -122,7 +131,10 @@ class MailboxConsumer {
   MailboxLayout layout_;
   uint64_t deadline_ns_;
   uint32_t max_pending_;
+  uint32_t max_ready_;
+  uint32_t run_lag_;
   int64_t last_emitted_ = -1;
+  int64_t newest_reported_ = -1;  // largest seq any producer has reported
   std::map<int64_t, Pending> pending_;
   std::deque<Complete> ready_;
   std::vector<Missed> missed_;

@@ -20,7 +20,7 @@ RingLayout::RingLayout(uint32_t f, uint32_t n, uint32_t cap) : readers(f), slots
 }
 
 RingWriter::RingWriter(const std::string& name, uint32_t readers, uint32_t slots, uint32_t capacity,
-                       uint64_t liveness_timeout_ns, bool pid_check) {
+                       uint64_t liveness_timeout_ns, bool pid_check, uint64_t writer_timeout_ns) {
   require(readers >= 1 && readers <= kMaxReaders, "num_readers: expected in [1, 64], got " + std::to_string(readers));
   require(slots >= 2 && slots <= 4096, "num_slots: expected in [2, 4096], got " + std::to_string(slots));
   require(capacity >= 1 && capacity <= (64u << 20), "slot_capacity: expected in [1, 64 MiB], got " + std::to_string(capacity));
@@ -35,10 +35,16 @@ RingWriter::RingWriter(const std::string& name, uint32_t readers, uint32_t slots
   hdr_->slot_size = layout_.slot_size;
   hdr_->liveness_timeout_ns = liveness_timeout_ns;
   hdr_->writer_pid = int32_t(getpid());
+  hdr_->writer_timeout_ns = writer_timeout_ns;
   hdr_->last_seq.store(-1);
   hdr_->writer_heartbeat_ns.store(monotonic_ns());
   for (uint32_t r = 0; r < readers; ++r) new (reader(r)) ReaderRecord;
   seg_.publish_ready();
+}
+
+void RingWriter::heartbeat() {
+  require(hdr_ != nullptr, "plan ring: closed");
+  hdr_->writer_heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);
 }
 
 void RingWriter::close() {
@@ -127,6 +133,7 @@ int64_t RingWriter::publish(int64_t seq, int64_t step, int32_t layer, int32_t mi
     for (;;) {
       backoff.pause();
       uint64_t now = monotonic_ns();
+      hdr_->writer_heartbeat_ns.store(now, std::memory_order_relaxed);  // waiting on a reader is not dead
       if (slot_free(index, now)) break;
       if (now - start >= timeout_ns) {
         hdr_->publish_timeouts.fetch_add(1, std::memory_order_relaxed);
@@ -140,15 +147,15 @@ int64_t RingWriter::publish(int64_t seq, int64_t step, int32_t layer, int32_t mi
   SlotHead* s = slot(index);
   s->commit.store(2 * index + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);  // odd commit visible before any payload store
-  s->seq = seq;
-  s->step = step;
-  s->layer = layer;
-  s->microbatch = microbatch;
-  s->length = uint32_t(length);
+  store_relaxed(s->seq, seq);
+  store_relaxed(s->step, step);
+  store_relaxed(s->layer, layer);
+  store_relaxed(s->microbatch, microbatch);
+  store_relaxed(s->length, uint32_t(length));
   auto* st = stamps(s);
   for (uint32_t r = 0; r < layout_.readers; ++r) st[r].store(0, std::memory_order_relaxed);
-  std::memcpy(payload(s), data, length);
-  s->publish_ns = monotonic_ns();
+  copy_to_shared(payload(s), data, length);
+  store_relaxed(s->publish_ns, monotonic_ns());
   s->commit.store(2 * index + 2, std::memory_order_release);
   hdr_->write_index.store(index + 1, std::memory_order_release);
   hdr_->last_seq.store(seq, std::memory_order_relaxed);
@@ -164,10 +171,20 @@ RingReader::RingReader(const std::string& name, uint32_t reader_id) : id_(reader
   require(reader_id < hdr_->num_readers,
           "reader_id: expected in [0, " + std::to_string(hdr_->num_readers) + "), got " + std::to_string(reader_id));
   rec_ = reader(reader_id);
+  // Claim the record by compare-and-swap, so two processes attaching as one id cannot both win.
+  int32_t me = int32_t(getpid());
   int32_t holder = rec_->pid.load(std::memory_order_acquire);
-  if (rec_->state.load(std::memory_order_acquire) == kLive && holder != int32_t(getpid()) && pid_alive(holder))
-    throw std::invalid_argument("reader_id: " + std::to_string(reader_id) + " is held by live pid " + std::to_string(holder));
-  rec_->pid.store(int32_t(getpid()), std::memory_order_relaxed);
+  if (holder != me) {
+    if (rec_->state.load(std::memory_order_acquire) == kLive && pid_alive(holder)) {
+      rec_ = nullptr;
+      throw std::invalid_argument("reader_id: " + std::to_string(reader_id) + " is held by live pid " + std::to_string(holder));
+    }
+    if (!rec_->pid.compare_exchange_strong(holder, me, std::memory_order_acq_rel)) {
+      rec_ = nullptr;
+      throw std::invalid_argument("reader_id: " + std::to_string(reader_id) + " was claimed concurrently by pid " +
+                                  std::to_string(holder));
+    }
+  }
   resync();
 }
 
@@ -187,10 +204,19 @@ void RingReader::detach() {
   seg_.unmap();
 }
 
+bool RingReader::writer_alive(uint64_t now) const {
+  if (hdr_->pid_check && !pid_alive(hdr_->writer_pid)) return false;
+  uint64_t limit = hdr_->writer_timeout_ns;
+  if (limit == 0) return true;
+  uint64_t beat = hdr_->writer_heartbeat_ns.load(std::memory_order_relaxed);
+  return now <= beat || now - beat <= limit;
+}
+
 RingReader::Result RingReader::read(int64_t want) {
   require(rec_ != nullptr, "plan ring reader: detached");
   Result res{kNotYet, -1, 0, 0, 0, {}, 0};
-  rec_->heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);
+  uint64_t now = monotonic_ns();
+  rec_->heartbeat_ns.store(now, std::memory_order_relaxed);
   if (rec_->state.load(std::memory_order_acquire) != kLive) {
     rec_->evicted.fetch_add(1, std::memory_order_relaxed);
     resync();
@@ -198,7 +224,12 @@ RingReader::Result RingReader::read(int64_t want) {
   for (;;) {
     uint64_t published = hdr_->write_index.load(std::memory_order_acquire);
     if (cursor_ >= published) {
-      if (seg_.header()->state.load(std::memory_order_acquire) == kClosed) res.status = kRingClosed;
+      if (seg_.header()->state.load(std::memory_order_acquire) == kClosed) {
+        res.status = kRingClosed;
+      } else if (!writer_alive(now)) {
+        res.status = kWriterDead;
+        rec_->writer_dead.fetch_add(1, std::memory_order_relaxed);
+      }
       return res;
     }
     SlotHead* s = slot(cursor_);
@@ -209,8 +240,11 @@ RingReader::Result RingReader::read(int64_t want) {
       resync();
       continue;
     }
-    int64_t seq = s->seq;
+    int64_t seq = load_relaxed(s->seq);
     if (seq > want) {
+      // Only a seq read under an unchanged commit is evidence that `want` was skipped.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (s->commit.load(std::memory_order_relaxed) != c1) continue;  // overwritten: the next pass resyncs
       res.status = kMissed;
       res.seq = seq;
       rec_->missed.fetch_add(1, std::memory_order_relaxed);
@@ -224,11 +258,12 @@ RingReader::Result RingReader::read(int64_t want) {
       rec_->next_index.store(cursor_, std::memory_order_release);
       continue;
     }
-    uint32_t length = std::min<uint32_t>(s->length, layout_.capacity);
-    res.step = s->step;
-    res.layer = s->layer;
-    res.microbatch = s->microbatch;
-    res.payload.assign(reinterpret_cast<const char*>(payload(s)), length);
+    uint32_t length = std::min<uint32_t>(load_relaxed(s->length), layout_.capacity);
+    res.step = load_relaxed(s->step);
+    res.layer = load_relaxed(s->layer);
+    res.microbatch = load_relaxed(s->microbatch);
+    res.payload.resize(length);
+    copy_from_shared(reinterpret_cast<uint8_t*>(res.payload.data()), payload(s), length);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (s->commit.load(std::memory_order_relaxed) != c1) {
       rec_->torn.fetch_add(1, std::memory_order_relaxed);
@@ -250,7 +285,7 @@ RingReader::Result RingReader::wait_read(int64_t want, uint64_t timeout_ns, uint
   uint64_t start = monotonic_ns();
   Backoff backoff(spin_ns);
   for (;;) {
-    Result r = read(want);
+    Result r = read(want);  // kWriterDead returns at once: no plan is coming
     if (r.status != kNotYet || monotonic_ns() - start >= timeout_ns) return r;
     backoff.pause();
   }

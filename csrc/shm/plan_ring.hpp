@@ -10,6 +10,11 @@
 // long. The slot is also a seqlock (commit = 2i+1 while writing entry i, 2i+2 once published),
 // so an evicted reader that wakes up mid-copy detects the overwrite instead of returning a torn
 // entry; the payload's own checksum (plan codec) is a second line of defence.
+//
+// The writer can die too (invariant 5): a reader that finds nothing new checks the writer's
+// pid (with pid_check) and its heartbeat (when the writer set a writer timeout and calls
+// heartbeat() while idle), and returns kWriterDead at once instead of waiting out its timeout,
+// so a dead scheduler costs the FFN workers one syscall per target, not a plan timeout.
 #pragma once
 
 #include <string>
@@ -22,7 +27,7 @@ namespace afore::shm {
 constexpr uint32_t kMaxReaders = 64;
 
 enum ReaderState : uint32_t { kDetached = 0, kLive = 1, kEvicted = 2 };
-enum ReadStatus : int { kFound = 0, kNotYet = 1, kMissed = 2, kRingClosed = 3 };
+enum ReadStatus : int { kFound = 0, kNotYet = 1, kMissed = 2, kRingClosed = 3, kWriterDead = 4 };
 
 struct alignas(kCacheLine) RingHeader {
   uint32_t num_readers;
@@ -33,6 +38,7 @@ struct alignas(kCacheLine) RingHeader {
   uint64_t liveness_timeout_ns;
   int32_t writer_pid;
   uint32_t pad0;
+  uint64_t writer_timeout_ns;  // readers call the writer dead after this long without a heartbeat (0 = pid only)
   alignas(kCacheLine) std::atomic<uint64_t> write_index;  // entries published
   alignas(kCacheLine) std::atomic<uint64_t> writer_heartbeat_ns;
   std::atomic<int64_t> last_seq;
@@ -53,6 +59,7 @@ struct alignas(kCacheLine) ReaderRecord {
   std::atomic<uint64_t> torn;
   std::atomic<uint64_t> rejected;  // by the decoder (checksum, version, target mismatch)
   std::atomic<uint64_t> evicted;   // times this reader found itself evicted
+  std::atomic<uint64_t> writer_dead;  // reads that found nothing new and the writer dead
 };
 
 struct alignas(kCacheLine) SlotHead {
@@ -103,7 +110,9 @@ class RingBase {
 class RingWriter : public RingBase {
  public:
   RingWriter(const std::string& name, uint32_t readers, uint32_t slots, uint32_t capacity,
-             uint64_t liveness_timeout_ns, bool pid_check);
+             uint64_t liveness_timeout_ns, bool pid_check, uint64_t writer_timeout_ns = 0);
+  // Tell the readers the writer is alive while it has nothing to publish.
+  void heartbeat();
   ~RingWriter() { close(); }
   // Publish one entry; returns its index, or -1 if live readers still held the slot after
   // timeout_ns (only possible with timeout_ns below the liveness timeout).
@@ -134,10 +143,12 @@ class RingReader : public RingBase {
     uint64_t copied_ns;
   };
   // Entry with plan seq `want`: kFound (payload filled), kNotYet, kMissed (a later seq was
-  // published, so `want` never will be), kRingClosed (the writer closed the ring).
+  // published, so `want` never will be), kRingClosed (the writer closed the ring), kWriterDead
+  // (nothing new and the writer's process is gone or its heartbeat is older than its timeout).
   Result read(int64_t want);
   Result wait_read(int64_t want, uint64_t timeout_ns, uint64_t spin_ns);
   void note_rejected() { rec_->rejected.fetch_add(1, std::memory_order_relaxed); }
+  bool writer_alive(uint64_t now) const;
   void detach();
   uint32_t reader_id() const { return id_; }
 

@@ -3,7 +3,9 @@
 // Every afore segment starts with SegmentHeader. The owner creates it (O_EXCL), publishes
 // `state = kReady` with release ordering once the layout is initialised, and unlinks it on
 // close. A segment left behind by a crashed run (owner pid gone, or another format version)
-// is detected at create time and replaced; a segment whose owner is alive is never touched.
+// is detected at create time and replaced; a segment whose owner is alive is never touched,
+// nor one that another process is creating right now (empty or all-zero header, younger than
+// kCreateGraceNs): create() waits for it to become ready or to age into a crashed creation.
 #pragma once
 
 #include <atomic>
@@ -23,8 +25,9 @@
 namespace afore::shm {
 
 constexpr uint64_t kMagic = 0x4d48535245524f46ULL;  // "FORESHM" + 'M', little-endian
-constexpr uint32_t kFormatVersion = 1;
+constexpr uint32_t kFormatVersion = 2;
 constexpr size_t kCacheLine = 64;
+constexpr uint64_t kCreateGraceNs = 2000000000ULL;  // a creation takes microseconds; 2 s means it crashed
 
 enum class SegmentKind : uint32_t { kMailbox = 1, kPlanRing = 2 };
 enum SegmentState : uint32_t { kInitializing = 0, kReady = 1, kClosed = 2 };
@@ -64,6 +67,36 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
+}
+
+// Seqlock payloads: the writer stores and the readers load the bytes of a slot with relaxed
+// atomic word accesses, so a reader that races an overwrite reads stale or mixed words (and
+// then rejects them on the commit re-check) instead of being a C++ data race. `shared` must
+// be 8-byte aligned (slot payloads are cache-line aligned).
+template <class T>
+inline T load_relaxed(const T& field) {
+  return __atomic_load_n(&field, __ATOMIC_RELAXED);
+}
+template <class T>
+inline void store_relaxed(T& field, T value) {
+  __atomic_store_n(&field, value, __ATOMIC_RELAXED);
+}
+inline void copy_to_shared(uint8_t* shared, const uint8_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, src + i, 8);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(shared + i), w, __ATOMIC_RELAXED);
+  }
+  for (; i < n; ++i) __atomic_store_n(shared + i, src[i], __ATOMIC_RELAXED);
+}
+inline void copy_from_shared(uint8_t* dst, const uint8_t* shared, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w = __atomic_load_n(reinterpret_cast<const uint64_t*>(shared + i), __ATOMIC_RELAXED);
+    std::memcpy(dst + i, &w, 8);
+  }
+  for (; i < n; ++i) dst[i] = __atomic_load_n(shared + i, __ATOMIC_RELAXED);
 }
 
 inline void sleep_ns(uint64_t ns) {
@@ -110,10 +143,17 @@ class Segment {
   void create(const std::string& name, size_t size, SegmentKind kind) {
     check_name(name);
     name_ = "/" + name;
-    for (int attempt = 0; attempt < 3; ++attempt) {
+    uint64_t give_up = monotonic_ns() + 2 * kCreateGraceNs;
+    for (int attempt = 0; attempt < 3;) {
       int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       if (fd < 0 && errno == EEXIST) {
-        replace_if_stale(name);
+        if (replace_if_stale(name)) {
+          ++attempt;
+        } else {  // another process is creating it: let it finish (then its owner is live) or age out
+          if (monotonic_ns() > give_up)
+            throw std::invalid_argument("segment " + name + ": still being created by another process");
+          sleep_ns(1000000);
+        }
         continue;
       }
       if (fd < 0) throw std::runtime_error("shm_open(" + name + "): " + std::strerror(errno));
@@ -126,10 +166,10 @@ class Segment {
       map_fd(fd, size, true);
       std::memset(base_, 0, size);
       auto* h = header();
+      h->owner_pid = int32_t(getpid());  // first: from here on a concurrent create sees a live owner
       h->magic = kMagic;
       h->version = kFormatVersion;
       h->kind = uint32_t(kind);
-      h->owner_pid = int32_t(getpid());
       h->total_size = size;
       h->created_unix_ns = realtime_ns();
       h->instance = (realtime_ns() ^ (uint64_t(getpid()) << 32)) | 1;
@@ -213,31 +253,43 @@ class Segment {
   }
 
   // An existing segment is stale when it is not ours (bad magic), of another format version,
-  // or its owner process is gone. A live owner's segment is never replaced.
-  static void replace_if_stale(const std::string& name) {
+  // or its owner process is gone. A live owner's segment is never replaced. A segment with no
+  // header yet (size 0, or magic and owner pid still 0) is being created by another process
+  // unless it is older than kCreateGraceNs: returns false (not replaced; the caller waits).
+  // Returns true when the name was removed (or vanished meanwhile): retry the create.
+  static bool replace_if_stale(const std::string& name) {
     std::string slash = "/" + name;
     int fd = shm_open(slash.c_str(), O_RDONLY, 0);
-    if (fd < 0) return;  // vanished meanwhile: retry create
+    if (fd < 0) return true;  // vanished meanwhile: retry create
     struct stat st;
-    bool stale = true;
+    bool stale = true, creating = false;
     int32_t owner = 0;
-    if (fstat(fd, &st) == 0 && size_t(st.st_size) >= sizeof(SegmentHeader)) {
-      void* p = mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd, 0);
-      if (p != MAP_FAILED) {
-        auto* h = static_cast<SegmentHeader*>(p);
-        owner = h->owner_pid;
-        bool ours = h->magic == kMagic && h->version == kFormatVersion;
-        uint32_t state = h->state.load(std::memory_order_acquire);
-        stale = !ours || state == kClosed || !pid_alive(owner);
-        munmap(p, sizeof(SegmentHeader));
+    if (fstat(fd, &st) == 0) {
+      uint64_t changed_ns = uint64_t(st.st_ctim.tv_sec) * 1000000000ULL + uint64_t(st.st_ctim.tv_nsec);
+      bool young = realtime_ns() < changed_ns + kCreateGraceNs;
+      if (size_t(st.st_size) >= sizeof(SegmentHeader)) {
+        void* p = mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) {
+          auto* h = static_cast<SegmentHeader*>(p);
+          owner = h->owner_pid;
+          uint64_t magic = h->magic;
+          bool ours = magic == kMagic && h->version == kFormatVersion;
+          uint32_t state = h->state.load(std::memory_order_acquire);
+          creating = young && ((magic == 0 && owner == 0) || (ours && state == kInitializing && owner == 0));
+          stale = !creating && (!ours || state == kClosed || !pid_alive(owner));
+          munmap(p, sizeof(SegmentHeader));
+        }
+      } else {
+        creating = young;  // between shm_open and ftruncate; an old one: its creator crashed there
+        stale = !creating;
       }
-    } else if (fstat(fd, &st) == 0 && st.st_size == 0) {
-      stale = true;  // creator crashed between shm_open and ftruncate
     }
     close(fd);
+    if (creating) return false;
     if (!stale)
       throw std::invalid_argument("segment " + name + ": in use by live owner pid " + std::to_string(owner));
     shm_unlink(slash.c_str());
+    return true;
   }
 
   void* base_ = nullptr;

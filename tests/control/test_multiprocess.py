@@ -59,7 +59,10 @@ def consume(name: str, reader: int, num_targets: int, timeout_s: float, queue) -
 def test_four_producers_eight_readers_every_plan_in_order(seg_name):
     num_targets = 120
     cfg = ServiceConfig(shape=SHAPE, mailbox=seg_name("mb"), ring=seg_name("ring"), num_producers=4,
-                        num_microbatches=MICROBATCHES, deadline_ms=5000.0, ring_slots=8, liveness_timeout_s=10.0)
+                        num_microbatches=MICROBATCHES, deadline_ms=5000.0, ring_slots=8, liveness_timeout_s=10.0,
+                        # pid only: the service loop (and its heartbeat) starts after the readers; the
+                        # producers run ahead of any FFN stage, so no target counts as already run
+                        writer_timeout_s=0.0, run_lag=0)
     service = SchedulerService(cfg)
     queue = CTX.Queue()
     readers = [CTX.Process(target=consume, args=(cfg.ring, r, num_targets, 20.0, queue)) for r in range(8)]
