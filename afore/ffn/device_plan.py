@@ -110,6 +110,7 @@ class DevicePlan:
         self._primary: np.ndarray | None = None
         pinned = self.device.type == "cuda"
         self._ring = [torch.zeros(3 * self.width + 1, dtype=torch.int32, pin_memory=pinned) for _ in range(ring)]
+        self._views = [host.numpy() for host in self._ring]  # host memory: writing it reads nothing back
         self._events = [torch.cuda.Event() if pinned else None for _ in range(ring)]
         self._used = [False] * ring
         self._next = 0
@@ -133,13 +134,14 @@ class DevicePlan:
     def upload(self, table: np.ndarray, num_pairs: int) -> torch.Tensor:
         """Make ``table`` (from ``stage``) with n = ``num_pairs`` the current device table, in
         stream order on the current stream; returns the device table."""
+        if not 0 <= num_pairs < INT32_MAX:
+            raise ValueError(f"num_pairs: expected in [0, {INT32_MAX}), got {num_pairs}")
         i = self._next
         self._next = (i + 1) % len(self._ring)
         event = self._events[i]
         if event is not None and self._used[i] and not event.query():
             event.synchronize()  # the GPU is a whole ring of steps behind: wait for the oldest copy
-        host = self._ring[i]
-        view = host.numpy()
+        host, view = self._ring[i], self._views[i]
         view[: self.n_offset] = table[: self.n_offset]
         view[self.n_offset] = num_pairs
         self.table.copy_(host, non_blocking=event is not None)
