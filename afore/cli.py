@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("afore.scheduler.plan_cli", "plan one target from a demand and a state (JSON/NPZ) and write the plan as JSON"),
     "trace": ("afore.traces.cli", "convert, generate and inspect routing traces"),
     "status": ("afore.scheduler.status_cli", "show the control plane's segments and metrics"),
+    "profile": ("afore.affinity.cli", "profile expert affinity (co-activation per layer) and co-cluster primaries"),
 }
 
 BENCHMARKS: dict[str, tuple[str, str]] = {

@@ -1,0 +1,9 @@
+"""Expert affinity (Sem-MoE's model placement on afore's primary layout).
+
+  profile.py      AffinityProfile: per-layer token-expert and expert-expert co-activation (.npz)
+  token_model.py  TokenModel: per-token top-k routing drawn from a class mixture (traces -> tokens)
+  olmoe.py        the OLMoE routing-analysis CSVs (../shared/traces/olmoe) as token models
+  cocluster.py    co_cluster: F balanced expert sets maximising in-set co-activation -> primaries
+  fanout.py       FFN workers and bytes per token under a primary layout or a plan (sparse dispatch)
+  cli.py          `afore profile affinity`
+"""

@@ -1,0 +1,77 @@
+"""The OLMoE routing-analysis outputs (../shared/traces/olmoe, Apache-2.0) as token models.
+
+What the data holds (see its README): per domain and for layers 0, 7 and 15, aggregate expert
+counts and cross-layer co-routing counts n[a, b] = tokens routed to expert a in layer_a and to
+b in layer_b (``all_topk``: the k slots zipped, slot i with slot i; ``top1_only``: the top
+expert in both). It holds no per-token expert *set* within one layer.
+
+``token_model`` turns the cross-layer counts into a ``TokenModel`` of layer_b: class a = the
+token's expert in layer_a (weight: a's share of the pairs), expert_prob[a] = n[a, :] / n[a].sum().
+That is measured structure (which layer-b experts tokens of one earlier expert go to); that the
+k experts of a token are independent draws given its class is the model's assumption, which
+understates co-activation when the real k experts are correlated beyond the class.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import numpy as np
+
+from afore.affinity.token_model import TokenModel
+
+MODELS = {"olmoe": (64, 8), "mistral": (8, 2)}   # name in the CSVs -> (experts, top_k)
+LAYER_PAIRS = ((0, 7), (7, 15))
+DOMAINS = ("arxiv", "book", "c4", "github", "wikipedia")
+
+
+def find_olmoe_dir(explicit: str | os.PathLike | None = None) -> Path | None:
+    """The OLMoE data folder: ``explicit``, else $AFORE_TRACES/olmoe, else ../shared/traces/olmoe
+    from the repository or the working directory; None when absent."""
+    candidates = [Path(explicit)] if explicit else []
+    if os.environ.get("AFORE_TRACES"):
+        candidates.append(Path(os.environ["AFORE_TRACES"]) / "olmoe")
+    repo = Path(__file__).resolve().parents[2]
+    candidates += [repo.parent / "shared" / "traces" / "olmoe", Path.cwd().parent / "shared" / "traces" / "olmoe"]
+    for path in candidates:
+        if (path / "expert_counts_crosslayer.csv").is_file():
+            return path
+    return None
+
+
+def read_crosslayer(folder: str | os.PathLike, model: str = "olmoe", count_kind: str = "all_topk") -> dict:
+    """{(domain, layer_a, layer_b): float64[E, E]} co-routing counts of ``model``."""
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {sorted(MODELS)}, got {model!r}")
+    if count_kind not in ("all_topk", "top1_only"):
+        raise ValueError(f"count_kind: expected 'all_topk' or 'top1_only', got {count_kind!r}")
+    e = MODELS[model][0]
+    out: dict = {}
+    path = Path(folder) / "expert_counts_crosslayer.csv"
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        if header != ["model", "count_kind", "domain", "layer_a", "layer_b", "expert_a", "expert_b", "count"]:
+            raise ValueError(f"{path}: unexpected columns {header}")
+        for m, kind, domain, la, lb, a, b, n in reader:
+            if m != model or kind != count_kind:
+                continue
+            key = (domain, int(la), int(lb))
+            if key not in out:
+                out[key] = np.zeros((e, e))
+            out[key][int(a), int(b)] += float(n)
+    if not out:
+        raise ValueError(f"{path}: no rows for model {model!r}, count_kind {count_kind!r}")
+    return out
+
+
+def token_model(counts: dict, layer_pair: tuple[int, int], domains: tuple[str, ...] | list[str]) -> TokenModel:
+    """The ``TokenModel`` of layer_b over ``domains`` (their counts summed)."""
+    keys = [(d, *layer_pair) for d in domains]
+    missing = [k for k in keys if k not in counts]
+    if missing:
+        raise ValueError(f"domains: no co-routing counts for {missing}")
+    n = sum(counts[k] for k in keys)
+    return TokenModel(n.sum(axis=1), n, f"olmoe cross-layer {layer_pair[0]}->{layer_pair[1]} domains={','.join(domains)}")
