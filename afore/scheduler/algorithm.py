@@ -155,8 +155,7 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     e_count, f, m = shape.num_experts, shape.num_workers, shape.m_tile
     owner = shape.primary_owner
     pcount = shape.primary_counts
-    theta, budget = params.theta, params.copy_budget
-    beta, copy_ms, window = cost.beta_tile_ms, cost.copy_ms, cost.window_ms
+    theta, beta = params.theta, cost.beta_tile_ms
 
     k = -(-inp.demand // m)
     binding = inp.table_expert.copy()
@@ -167,8 +166,54 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     # Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
     rebalance_within(tiles, load, has, theta, params.chains)
 
-    # Stage 3: rebalancing beyond the placement.
+    # Stage 3: rebalancing beyond the placement; [chains] a second search that rebalances
+    # within the placement after each step, when the first one ends above the average bound.
     f0 = beta * int(load.max())
+    search = (shape, inp, params, cost, f0, tiles, load, has, binding)
+    best_gain, best_exposed, best = search_beyond(*search, rebalance=False)
+    if params.chains and int(best[1].max()) > average_bound(k, f):
+        gain, exposed, other = search_beyond(*search, rebalance=True)
+        if gain > best_gain:
+            best_gain, best_exposed, best = gain, exposed, other
+    tiles, load, has, binding, copies = best
+
+    assignment = fill_tokens(inp.demand, k, tiles, owner, m)
+    slot = np.full((e_count, f), -1, np.int32)
+    slot[np.arange(e_count), owner] = shape.primary_slot
+    new_last_used = inp.table_last_used.copy()
+    for w, r in zip(*np.nonzero(binding >= 0)):
+        ex = int(binding[w, r])
+        slot[ex, w] = pcount[w] + r
+        if tiles[ex, w] > 0:
+            new_last_used[w, r] = seq
+    plan = Plan(
+        target=target, seq=int(seq), demand=inp.demand.copy(), replicas=slot >= 0,
+        assignment=assignment.astype(np.int32), tiles=tiles.astype(np.int32), slot=slot,
+        copies=np.array(copies, np.int32).reshape(-1, 4), tile_load=load.astype(np.int32),
+        gain_ms=float(best_gain), exposed_ms=float(best_exposed))
+    return plan, SlotTable(binding.astype(np.int32), new_last_used)
+
+
+def average_bound(k: np.ndarray, num_workers: int) -> int:
+    """ceil(sum_e k_e / F): no plan has a lower max tile load (the certifier's first bound)."""
+    return -(-int(k.sum()) // num_workers)
+
+
+def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost: CostModel, f0: float,
+                  tiles: np.ndarray, load: np.ndarray, has: np.ndarray, binding: np.ndarray,
+                  rebalance: bool) -> tuple[float, float, tuple]:
+    """Stage 3 from the state after stage 2 (not mutated): (gain, exposed, best candidate).
+
+    The candidate is (tiles, load, has, binding, copies) with the largest net gain > 0, else the
+    stage-2 state without copies. With ``rebalance`` [chains], each step (a beyond move or a chain)
+    is followed by the stage-2 rebalancing within the new placement before it is judged: pair
+    moves and chains through the new replicas, which the paper's search never makes.
+    """
+    f = shape.num_workers
+    owner, pcount = shape.primary_owner, shape.primary_counts
+    theta, budget = params.theta, params.copy_budget
+    beta, copy_ms, window = cost.beta_tile_ms, cost.copy_ms, cost.window_ms
+    tiles, load, has, binding = tiles.copy(), load.copy(), has.copy(), binding.copy()
     best = (tiles.copy(), load.copy(), has.copy(), binding.copy(), [])
     best_gain, best_exposed = 0.0, 0.0
     reserved = np.zeros_like(inp.protected)
@@ -207,28 +252,14 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
                 copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
                 copies_into[c] += 1
             _move_tiles(tiles, load, e, h, c, q)
+        if rebalance:
+            rebalance_within(tiles, load, has, theta, True)
         exposed = exposed_cost(int(copies_into.max()), copy_ms, window)
         gain = f0 - beta * int(load.max()) - exposed
         if gain > best_gain:
             best = (tiles.copy(), load.copy(), has.copy(), binding.copy(), list(copies))
             best_gain, best_exposed = gain, exposed
-    tiles, load, has, binding, copies = best
-
-    assignment = fill_tokens(inp.demand, k, tiles, owner, m)
-    slot = np.full((e_count, f), -1, np.int32)
-    slot[np.arange(e_count), owner] = shape.primary_slot
-    new_last_used = inp.table_last_used.copy()
-    for w, r in zip(*np.nonzero(binding >= 0)):
-        ex = int(binding[w, r])
-        slot[ex, w] = pcount[w] + r
-        if tiles[ex, w] > 0:
-            new_last_used[w, r] = seq
-    plan = Plan(
-        target=target, seq=int(seq), demand=inp.demand.copy(), replicas=slot >= 0,
-        assignment=assignment.astype(np.int32), tiles=tiles.astype(np.int32), slot=slot,
-        copies=np.array(copies, np.int32).reshape(-1, 4), tile_load=load.astype(np.int32),
-        gain_ms=float(best_gain), exposed_ms=float(best_exposed))
-    return plan, SlotTable(binding.astype(np.int32), new_last_used)
+    return best_gain, best_exposed, best
 
 
 def max_beyond_hops(num_workers: int, redundant_slots: int) -> int:

@@ -105,6 +105,7 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   // The undo log holds the hops (at most max_hops_) and the moves within the placement that
   // follow them; it keeps the capacity it reached, so steady-state calls do not allocate.
   moves_.reserve(static_cast<size_t>(4 * max_hops_));
+  kept_.reserve(static_cast<size_t>(4 * max_hops_));
   chain_.resize(F_);
   bfs_queue_.assign(F_, 0);
   bfs_parent_.assign(F_, -1);
@@ -592,22 +593,55 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
   ScheduleInputs in = inputs;
   in.theta = std::min<int64_t>(in.theta, int64_t{1} << 31);
   initialize(in);
-  const int64_t theta = in.theta;
-  int32_t e, h, c, r;
-  int64_t q;
 
   // Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
   within_moves_ = within_chains_ = 0;
-  int32_t n_hops = 0;
-  rebalance_within(theta, in.chains, false);
+  rebalance_within(in.theta, in.chains, false);
 
-  // Stage 3: rebalancing beyond the placement; keep the best positive net gain.
-  const double beta = in.beta_tile_ms;
-  const double f0 = beta * static_cast<double>(load_[donors_[0]]);
+  // Stage 3: rebalancing beyond the placement; keep the best positive net gain. [chains] When
+  // that ends above the average bound, a second search that rebalances within the placement
+  // after each step (algorithm.search_beyond), and the better of the two (the first on ties).
+  const double f0 = in.beta_tile_ms * static_cast<double>(load_[donors_[0]]);
   double best_gain = 0.0, best_exposed = 0.0;
+  search_beyond(in, f0, false, best_gain, best_exposed);
+  beyond_moves_ = searched_moves_;
+  int64_t total_tiles = 0;
+  for (int64_t x = 0; x < E_; ++x) total_tiles += k_[x];
+  if (in.chains && load_[donors_[0]] > (total_tiles + F_ - 1) / F_) {
+    kept_.assign(moves_.begin(), moves_.end());
+    undo_moves(0);
+    double gain = 0.0, exposed = 0.0;
+    search_beyond(in, f0, true, gain, exposed);
+    beyond_moves_ += searched_moves_;
+    if (gain > best_gain) {
+      best_gain = gain;
+      best_exposed = exposed;
+    } else {
+      undo_moves(0);
+      for (const Move& m : kept_) redo_move(m);
+      moves_.assign(kept_.begin(), kept_.end());
+    }
+  }
+  out.gain_ms = best_gain;
+  out.exposed_ms = best_exposed;
+  write_outputs(in, out);
+  reset();
+}
+
+// One search of stage 3 from the current state: moves go to the undo log moves_, and the state
+// is left at the candidate with the best net gain > 0 (gain, exposed), else where it started.
+void Scheduler::search_beyond(const ScheduleInputs& in, double f0, bool rebalance, double& best_gain,
+                              double& best_exposed) {
+  const int64_t theta = in.theta;
+  const double beta = in.beta_tile_ms;
+  int32_t e, h, c, r, n_hops = 0;
+  int64_t q;
+  best_gain = best_exposed = 0.0;
   size_t best_len = 0;
   int64_t max_into = 0, n_copies = 0, hops_made = 0;
   moves_.clear();
+  std::fill(reserved_.begin(), reserved_.end(), 0);
+  std::fill(copies_into_.begin(), copies_into_.end(), 0);
   const int64_t budget = std::min(in.copy_budget, F_ * R_);  // each copy reserves a distinct slot
   if (budget > 0)
     for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
@@ -628,19 +662,16 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
       int32_t old = -1;
       if (hop.slot >= 0) {
         old = binding_[hop.to * R_ + hop.slot];
-        if (old >= 0) remove_replica(old, hop.to);
-        binding_[hop.to * R_ + hop.slot] = hop.expert;
-        add_replica(hop.expert, hop.to);
         reserved_[hop.to * R_ + hop.slot] = 1;
         max_into = std::max(max_into, ++copies_into_[hop.to]);
         ++n_copies;
       }
-      moves_.push_back(Move{hop.expert, hop.from, hop.to, hop.slot, old, hop_tiles});
-      move_tiles(hop.expert, hop.from, hop.to, hop_tiles);
+      const Move m{hop.expert, hop.from, hop.to, hop.slot, old, hop_tiles};
+      moves_.push_back(m);
+      redo_move(m);
     }
-    if (in.chains && rebalance_within(theta, true, true)) {
-      // [chains] the new replicas opened moves within the placement: take them before judging
-      // the candidate (algorithm.py). Any worker's tiles may have changed: refresh every slot.
+    if (rebalance && rebalance_within(theta, true, true)) {
+      // Any worker's tiles may have changed: refresh every safe slot.
       for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
     } else {
       // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
@@ -657,8 +688,23 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
       best_len = moves_.size();
     }
   }
-  beyond_moves_ = static_cast<int64_t>(moves_.size());
-  while (moves_.size() > best_len) {
+  searched_moves_ = static_cast<int64_t>(moves_.size());
+  undo_moves(best_len);
+}
+
+// Apply one logged move: rebind the slot (if any) to its expert, then move the tiles.
+void Scheduler::redo_move(const Move& m) {
+  if (m.slot >= 0) {
+    if (m.old_expert >= 0) remove_replica(m.old_expert, m.receiver);
+    binding_[m.receiver * R_ + m.slot] = m.expert;
+    add_replica(m.expert, m.receiver);
+  }
+  move_tiles(m.expert, m.donor, m.receiver, m.tiles);
+}
+
+// Undo the logged moves after the first `keep`, last first.
+void Scheduler::undo_moves(size_t keep) {
+  while (moves_.size() > keep) {
     const Move m = moves_.back();
     moves_.pop_back();
     move_tiles(m.expert, m.receiver, m.donor, m.tiles);
@@ -667,10 +713,6 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
     if (m.old_expert >= 0) add_replica(m.old_expert, m.receiver);
     binding_[m.receiver * R_ + m.slot] = m.old_expert;
   }
-  out.gain_ms = best_gain;
-  out.exposed_ms = best_exposed;
-  write_outputs(in, out);
-  reset();
 }
 
 void Scheduler::write_outputs(const ScheduleInputs& in, ScheduleOutputs& out) const {
