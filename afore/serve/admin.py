@@ -3,6 +3,9 @@
 Routes (OpenAPI page at ``/docs``, schema at ``/openapi.json``):
 
 - ``GET /afore/status``: this node's role, policy, model, worker counts and child processes;
+- ``GET /health``: 200 ``{"status": "ok"}`` while every process of the node is up, else 503 with
+  ``degraded`` (scheduler restarting or failed: served primary-only) or ``failing`` (an FFN
+  worker or vLLM exited), the dead processes and the reason (afore.serve.supervisor);
 - ``POST /afore/policy`` with ``{"policy": NAME}``: restart the scheduler with another placement
   policy (serving goes on meanwhile on primary-only plans); answers the new status;
 - ``GET /metrics``: on the FFN node (role ffn, no vLLM there) afore's Prometheus families of every
@@ -38,6 +41,8 @@ class Controlled(Protocol):
     """What the admin endpoint needs from the launcher."""
 
     def status(self) -> dict: ...
+
+    def health(self) -> tuple[int, dict]: ...
 
     def switch_policy(self, policy: str) -> None: ...
 
@@ -124,6 +129,11 @@ def build_app(launcher: Controlled) -> fastapi.FastAPI:
     @app.get("/afore/status", response_model=Status, response_model_exclude_none=True)
     def status() -> dict:
         return launcher.status()
+
+    @app.get("/health")
+    def health() -> Any:
+        code, body = launcher.health()
+        return JSONResponse(status_code=code, content=body)
 
     # sync handlers: FastAPI runs them in its thread pool, so a switch (seconds) blocks no other request
     @app.post("/afore/policy", response_model=Status, response_model_exclude_none=True, responses=errors)

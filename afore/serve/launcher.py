@@ -15,7 +15,8 @@ Start order (each step waits for the previous one to be ready, with a progress b
 The launcher then supervises: an FFN worker that dies makes the pending exchange fail at
 once (the connector reports the closed peer; a silent one times out after
 ``exchange_timeout_s``), vLLM's engine dies and its ``/health`` turns non-200; the
-scheduler dying only costs plans (FFN workers fall back to primary-only plans).
+scheduler dying only costs plans (FFN workers fall back to primary-only plans at once) and
+is restarted (:mod:`afore.serve.supervisor`, which also answers the admin ``/health``).
 SIGINT/SIGTERM stop everything in reverse order, wait for every child (killing
 stragglers), and remove the shared-memory segments. The admin endpoint (``--admin-port``,
 :mod:`afore.serve.admin`) reports the processes and switches the placement policy of the running
@@ -45,6 +46,7 @@ from tqdm import tqdm
 from afore.attention.role import DEMAND_TOKEN_ENV, AttentionRoleConfig
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.metrics import multiprocess
+from afore.serve.supervisor import SchedulerSupervisor
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
 from afore.scheduler.policies import POLICY_NAMES
@@ -250,6 +252,7 @@ class Launcher:
         tag = f"afore-{os.getpid()}"
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
         self._admin = None  # afore.serve.admin.AdminServer once started
+        self.supervisor = SchedulerSupervisor()
         self._stopping = threading.Event()
         self._lock = threading.RLock()
         self._main_thread = threading.current_thread()
@@ -459,6 +462,8 @@ class Launcher:
             "ffn_workers": self.opts.ffn_workers,
             "processes": {c.name: {"pid": c.proc.pid, "alive": c.proc.poll() is None} for c in self.children()},
         }
+        if self.opts.role != "attention":
+            out["scheduler"] = self.supervisor.scheduler.report(time.monotonic())
         if self.store is not None:
             from afore.transport.connector import ffn_ready_key
 
@@ -466,6 +471,10 @@ class Launcher:
         if self.opts.role == "attention":
             out["ffn_node"] = f"{self.opts.ffn_host}:{self.store_port}"
         return out
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) of the admin ``GET /health`` (afore.serve.supervisor)."""
+        return self.supervisor.health(self.status()["processes"], self.opts.role)
 
     def switch_policy(self, policy: str, timeout_s: float = 120.0) -> None:
         """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans.
@@ -525,6 +534,7 @@ class Launcher:
         reported: set[str] = set()
         while not self._stopping.wait(0.1):
             self._serve_requests()
+            self.supervisor.poll(self)  # a dead scheduler is restarted
             if self.server is not None and self.server.proc.poll() is not None:
                 log.error("afore: vLLM server exited with %s", self.server.proc.returncode)
                 return 1
