@@ -67,7 +67,7 @@ def test_plans_are_valid_and_cover_actual_demand(name):
             assert len(plan.copies) <= PARAMS.copy_budget
         assert plan.exposed_ms >= 0
         copies_seen += len(plan.copies)
-    if name == "static":
+    if name in ("static", "sem-moe"):   # sem-moe: static on the (here contiguous) primaries
         assert copies_seen == 0
     elif name not in ("eplb", "eplb-async"):
         assert copies_seen > 0  # skewed synthetic demand: every adaptive policy replicates something
@@ -90,7 +90,7 @@ def test_balancing_policies_beat_static():
         loads = [p.max_tile_load / p.tile_load.mean() for obs, p, *_ in _replay(policy, counts) if obs.target.step >= 4]
         ratio[name] = np.mean(loads)
     for name in POLICY_NAMES:
-        if name != "static":
+        if name not in ("static", "sem-moe"):   # sem-moe never moves work off the primaries
             assert ratio[name] < ratio["static"], name
     assert ratio["afore"] <= ratio["lina"] and ratio["afore"] <= ratio["eplb"]
 

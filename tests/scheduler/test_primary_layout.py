@@ -113,3 +113,16 @@ def test_every_policy_keeps_the_layout(name):
         demand = rng.multinomial(512, rng.dirichlet(np.full(32, 0.3))).astype(np.int64)
         plan = policy.plan(Observation(Target(t, 0, 0), t, demand))
         check_plan(shape, plan)   # primaries at the layout's owner and slot, copies from them
+
+
+def test_sem_moe_runs_every_pair_on_the_co_clustered_primary():
+    rng = np.random.default_rng(4)
+    shape = ClusterShape(num_experts=16, num_workers=4, redundant_slots=2, m_tile=2, top_k=2,
+                         primaries=tuple(int(w) for w in rng.permutation(np.arange(16) % 4)))
+    policy = make_policy("sem-moe", shape, SchedulerParams(), CostModel())
+    for t in range(4):
+        demand = rng.integers(0, 50, 16)
+        plan = policy.plan(Observation(Target(t, 0, 0), t, demand))
+        check_plan(shape, plan)
+        assert np.array_equal(plan.assignment[np.arange(16), shape.primary_owner], demand)
+        assert len(plan.copies) == 0

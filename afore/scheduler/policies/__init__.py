@@ -15,6 +15,7 @@ from afore.scheduler.policies import harmoeny as _harmoeny  # noqa: F401
 from afore.scheduler.policies import lina as _lina  # noqa: F401
 from afore.scheduler.policies import libra as _libra  # noqa: F401
 from afore.scheduler.policies import afore as _afore  # noqa: F401
+from afore.scheduler.policies import sem_moe as _sem_moe  # noqa: F401
 # isort: on
 
 POLICY_NAMES: tuple[str, ...] = tuple(REGISTRY)
