@@ -52,7 +52,8 @@ class _RemoteMailbox:
             if time.monotonic() < self._next_try:
                 raise ConnectionError(f"demand receiver {self.host}:{self.port}: not connected (retrying)")
             try:
-                self._client = DemandClient(self.host, self.port, self.token, timeout_s=self.connect_timeout_s)
+                self._client = DemandClient(self.host, self.port, self.token, timeout_s=self.connect_timeout_s,
+                                            worker=worker)  # one attention worker per connection: bound
             except (OSError, ConnectionError, ValueError):
                 # counted from the end of the attempt: a connect that hangs until its timeout
                 # must not be retried at once

@@ -114,3 +114,88 @@ def test_hello_must_be_first(served):
     assert welcome[0] is False
     assert receiver.counts["malformed"] == 1
     sock.close()
+
+
+@pytest.fixture
+def limited(seg_name):
+    """A receiver with short limits: 2 connections waiting for Hello, 0.5 s each, idle after 0.5 s."""
+    mb = DemandMailbox.create(seg_name("rx"), SHAPE, num_producers=2, num_microbatches=1)
+    producer = DemandMailbox.attach(mb.name)
+    receiver = DemandReceiver(producer, token="s3cret", hello_timeout_s=0.5, idle_timeout_s=0.5, max_unauthenticated=2)
+    port = receiver.start()
+    yield mb, receiver, port
+    receiver.stop()
+    producer.close()
+    mb.close()
+
+
+def closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_silent_unauthenticated_connections_are_bounded_in_number_and_time(limited):
+    mb, receiver, port = limited
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    assert wait_for(lambda: receiver._unauthenticated == 2)
+    third = socket.create_connection(("127.0.0.1", port))
+    assert closed_by_peer(third)  # over the limit: closed at once, not queued
+    assert receiver.counts["refused"] == 1
+    assert all(closed_by_peer(s) for s in silent)  # each held its slot at most hello_timeout_s
+    assert wait_for(lambda: receiver.counts["hello_timeout"] == 2)
+    with DemandClient("127.0.0.1", port, "s3cret") as client:  # the slots are free again
+        for w in range(2):
+            client.put(Target(0, 0, 0), w, np.ones(16, np.int32))
+        assert mb.wait_complete(5.0).target == Target(0, 0, 0)
+    for s in silent + [third]:
+        s.close()
+
+
+def test_an_idle_authenticated_connection_is_closed(limited):
+    _, receiver, port = limited
+    client = DemandClient("127.0.0.1", port, "s3cret")
+    assert closed_by_peer(client.sock)
+    assert receiver.counts["idle"] == 1
+    client.close()
+
+
+def test_a_bound_connection_reports_for_its_worker_only_and_a_newer_one_replaces_it(served):
+    mb, receiver, port = served
+    first = DemandClient("127.0.0.1", port, "s3cret", worker=0)
+    with pytest.raises(ValueError, match="reports for worker 0"):
+        first.put(Target(0, 0, 0), 1, np.ones(16, np.int32))  # refused locally, nothing sent
+    first.sock.sendall(frame(DemandReport(0, 0, 0, 1, np.ones(16, "<i4").tobytes())))  # a client that lies
+    assert wait_for(lambda: receiver.counts["wrong_worker"] == 1)
+    second = DemandClient("127.0.0.1", port, "s3cret", worker=0)  # worker 0 reconnected
+    assert closed_by_peer(first.sock) and receiver.counts["replaced"] == 1
+    with DemandClient("127.0.0.1", port, "s3cret", worker=1) as other:
+        second.put(Target(0, 0, 0), 0, np.ones(16, np.int32))
+        other.put(Target(0, 0, 0), 1, np.ones(16, np.int32))
+        got = mb.wait_complete(5.0)
+        assert got.target == Target(0, 0, 0) and got.demand.sum() == 32
+    with pytest.raises(ValueError, match="worker: expected in"):
+        DemandClient("127.0.0.1", port, "s3cret", worker=2)
+    first.close()
+    second.close()
+
+
+def test_a_full_mailbox_drops_without_blocking_the_receiver(seg_name):
+    mb = DemandMailbox.create(seg_name("rx"), SHAPE, num_producers=2, num_microbatches=1, capacity=2)
+    producer = DemandMailbox.attach(mb.name)
+    receiver = DemandReceiver(producer, token="s3cret")
+    port = receiver.start()
+    try:
+        with DemandClient("127.0.0.1", port, "s3cret", worker=0) as client:
+            for step in range(50):  # nobody consumes: two fit, the rest are dropped
+                client.put(Target(step, 0, 0), 0, np.ones(16, np.int32))
+            assert wait_for(lambda: receiver.counts["accepted"] + receiver.counts["dropped_full"] == 50)
+        assert receiver.counts["accepted"] == 2 and receiver.counts["dropped_full"] == 48
+    finally:
+        receiver.stop()
+        producer.close()
+        mb.close()
