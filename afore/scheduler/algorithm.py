@@ -166,13 +166,14 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     # Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
     rebalance_within(tiles, load, has, theta, params.chains)
 
-    # Stage 3: rebalancing beyond the placement; [chains] a second search that rebalances
-    # within the placement after each step, when the first one ends above the average bound.
+    # Stage 3: rebalancing beyond the placement; [chains] when that ends above the average
+    # bound L, a second search aimed at L, and the better of the two (the first on ties).
     f0 = beta * int(load.max())
     search = (shape, inp, params, cost, f0, tiles, load, has, binding)
-    best_gain, best_exposed, best = search_beyond(*search, rebalance=False)
-    if params.chains and int(best[1].max()) > average_bound(k, f):
-        gain, exposed, other = search_beyond(*search, rebalance=True)
+    best_gain, best_exposed, best = search_beyond(*search, level=None)
+    level = average_bound(k, f)
+    if params.chains and int(best[1].max()) > level:
+        gain, exposed, other = search_beyond(*search, level=level)
         if gain > best_gain:
             best_gain, best_exposed, best = gain, exposed, other
     tiles, load, has, binding, copies = best
@@ -201,13 +202,15 @@ def average_bound(k: np.ndarray, num_workers: int) -> int:
 
 def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost: CostModel, f0: float,
                   tiles: np.ndarray, load: np.ndarray, has: np.ndarray, binding: np.ndarray,
-                  rebalance: bool) -> tuple[float, float, tuple]:
+                  level: int | None) -> tuple[float, float, tuple]:
     """Stage 3 from the state after stage 2 (not mutated): (gain, exposed, best candidate).
 
     The candidate is (tiles, load, has, binding, copies) with the largest net gain > 0, else the
-    stage-2 state without copies. With ``rebalance`` [chains], each step (a beyond move or a chain)
-    is followed by the stage-2 rebalancing within the new placement before it is judged: pair
-    moves and chains through the new replicas, which the paper's search never makes.
+    stage-2 state without copies. ``level`` None is the paper's search (plus chains). A search
+    aimed at ``level`` L (tiles) [chains] fills the receiver of a move onto a new replica at most
+    to L: q = min(q, max(theta + 1, L - T_c)). The paper's q (half the gap) lets early copies of a
+    hot expert overshoot the level the pool ends at, so that where slots are scarce (cold tables,
+    R = 1, bursts) the last overloaded workers find no receiver with a free slot.
     """
     f = shape.num_workers
     owner, pcount = shape.primary_owner, shape.primary_counts
@@ -227,6 +230,9 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
         if can_copy:
             move = find_beyond_move(tiles, load, has, binding, inp.table_last_used, blocked, theta)
         if move is not None:
+            if level is not None:
+                e, h, c, r, q = move
+                move = (e, h, c, r, min(q, max(theta + 1, level - int(load[c]))))
             hops = [move]
         elif params.chains:
             slots = None
@@ -252,8 +258,6 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
                 copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
                 copies_into[c] += 1
             _move_tiles(tiles, load, e, h, c, q)
-        if rebalance:
-            rebalance_within(tiles, load, has, theta, True)
         exposed = exposed_cost(int(copies_into.max()), copy_ms, window)
         gain = f0 - beta * int(load.max()) - exposed
         if gain > best_gain:

@@ -102,10 +102,8 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   stuck_.assign(F_, 0);
   copies_into_.assign(F_, 0);
   max_hops_ = 4 * F_ * (R_ + 1);  // algorithm.max_beyond_hops
-  // The undo log holds the hops (at most max_hops_) and the moves within the placement that
-  // follow them; it keeps the capacity it reached, so steady-state calls do not allocate.
-  moves_.reserve(static_cast<size_t>(4 * max_hops_));
-  kept_.reserve(static_cast<size_t>(4 * max_hops_));
+  moves_.reserve(static_cast<size_t>(max_hops_));
+  kept_.reserve(static_cast<size_t>(max_hops_));
   chain_.resize(F_);
   bfs_queue_.assign(F_, 0);
   bfs_parent_.assign(F_, -1);
@@ -396,33 +394,25 @@ bool Scheduler::find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t&
   return false;
 }
 
-// Stage 2 (and, with chains, after each step of stage 3): pair moves until none is left; with
-// chains, then one ejection chain within the placement and again. With log_moves the moves go
-// to the undo log of stage 3. Returns true if anything moved.
-bool Scheduler::rebalance_within(int64_t theta, bool chains, bool log_moves) {
+// Stage 2: pair moves until none is left; with chains, then one ejection chain within the
+// placement and again.
+void Scheduler::rebalance_within(int64_t theta, bool chains) {
   int32_t e, h, c, n_hops;
   int64_t q;
-  bool moved = false;
-  // Stage 3 added replicas since the flags were set: a donor may have a move again.
   std::fill(stuck_.begin(), stuck_.end(), 0);
   while (true) {
     while (find_within_move(theta, e, h, c, q)) {
       move_tiles(e, h, c, q);
       unstick_after_move(theta, h, c);
-      if (log_moves) moves_.push_back(Move{e, h, c, -1, -1, q});
       ++within_moves_;
-      moved = true;
     }
-    if (!chains || !find_chain(theta, false, n_hops)) return moved;
+    if (!chains || !find_chain(theta, false, n_hops)) return;
     // Each hop is a one-tile move: unsticking for each covers the chain's changes.
     for (int32_t i = 0; i < n_hops; ++i) {
-      const Hop hop = chain_[i];
-      move_tiles(hop.expert, hop.from, hop.to, 1);
-      unstick_after_move(theta, hop.from, hop.to);
-      if (log_moves) moves_.push_back(Move{hop.expert, hop.from, hop.to, -1, -1, 1});
+      move_tiles(chain_[i].expert, chain_[i].from, chain_[i].to, 1);
+      unstick_after_move(theta, chain_[i].from, chain_[i].to);
     }
     ++within_chains_;
-    moved = true;
   }
 }
 
@@ -596,22 +586,23 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
 
   // Stage 2: rebalancing within the placement, then (beyond the paper) ejection chains.
   within_moves_ = within_chains_ = 0;
-  rebalance_within(in.theta, in.chains, false);
+  rebalance_within(in.theta, in.chains);
 
   // Stage 3: rebalancing beyond the placement; keep the best positive net gain. [chains] When
-  // that ends above the average bound, a second search that rebalances within the placement
-  // after each step (algorithm.search_beyond), and the better of the two (the first on ties).
+  // that ends above the average bound L, a second search aimed at L (algorithm.search_beyond),
+  // and the better of the two (the first on ties).
   const double f0 = in.beta_tile_ms * static_cast<double>(load_[donors_[0]]);
   double best_gain = 0.0, best_exposed = 0.0;
-  search_beyond(in, f0, false, best_gain, best_exposed);
+  search_beyond(in, f0, -1, best_gain, best_exposed);
   beyond_moves_ = searched_moves_;
   int64_t total_tiles = 0;
   for (int64_t x = 0; x < E_; ++x) total_tiles += k_[x];
-  if (in.chains && load_[donors_[0]] > (total_tiles + F_ - 1) / F_) {
+  const int64_t level = (total_tiles + F_ - 1) / F_;
+  if (in.chains && load_[donors_[0]] > level) {
     kept_.assign(moves_.begin(), moves_.end());
     undo_moves(0);
     double gain = 0.0, exposed = 0.0;
-    search_beyond(in, f0, true, gain, exposed);
+    search_beyond(in, f0, level, gain, exposed);
     beyond_moves_ += searched_moves_;
     if (gain > best_gain) {
       best_gain = gain;
@@ -630,7 +621,9 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
 
 // One search of stage 3 from the current state: moves go to the undo log moves_, and the state
 // is left at the candidate with the best net gain > 0 (gain, exposed), else where it started.
-void Scheduler::search_beyond(const ScheduleInputs& in, double f0, bool rebalance, double& best_gain,
+// level < 0: the paper's search (plus chains); else aimed at that tile load: a move onto a new
+// replica fills its receiver at most to it.
+void Scheduler::search_beyond(const ScheduleInputs& in, double f0, int64_t level, double& best_gain,
                               double& best_exposed) {
   const int64_t theta = in.theta;
   const double beta = in.beta_tile_ms;
@@ -651,11 +644,11 @@ void Scheduler::search_beyond(const ScheduleInputs& in, double f0, bool rebalanc
     if (can_copy && find_beyond_move(in, e, h, c, r, q)) {
       chain_[0] = Hop{e, h, c, r};
       n_hops = 1;
-      hop_tiles = q;
+      hop_tiles = level < 0 ? q : std::min(q, std::max(theta + 1, level - load_[c]));
     } else if (!in.chains || !find_chain(theta, can_copy, n_hops)) {
       break;
     }
-    if (hops_made + n_hops > max_hops_) break;  // bounds the search (chains)
+    if (hops_made + n_hops > max_hops_) break;  // moves_ never grows past its reservation
     hops_made += n_hops;
     for (int32_t i = 0; i < n_hops; ++i) {
       const Hop hop = chain_[i];
@@ -670,15 +663,10 @@ void Scheduler::search_beyond(const ScheduleInputs& in, double f0, bool rebalanc
       moves_.push_back(m);
       redo_move(m);
     }
-    if (rebalance && rebalance_within(theta, true, true)) {
-      // Any worker's tiles may have changed: refresh every safe slot.
-      for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
-    } else {
-      // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
-      for (int32_t i = 0; i < n_hops; ++i) {
-        safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
-        safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
-      }
+    // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
+    for (int32_t i = 0; i < n_hops; ++i) {
+      safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
+      safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
     }
     const double exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
     const double gain = f0 - beta * static_cast<double>(load_[donors_[0]]) - exposed;

@@ -78,8 +78,8 @@ class Scheduler {
   void initialize(const ScheduleInputs& in);
   bool find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c, int64_t& q);
   void unstick_after_move(int64_t theta, int32_t h, int32_t c);
-  bool rebalance_within(int64_t theta, bool chains, bool log_moves);
-  void search_beyond(const ScheduleInputs& in, double f0, bool rebalance, double& best_gain,
+  void rebalance_within(int64_t theta, bool chains);
+  void search_beyond(const ScheduleInputs& in, double f0, int64_t level, double& best_gain,
                      double& best_exposed);
   void redo_move(const Move& m);
   void undo_moves(size_t keep);
@@ -134,7 +134,7 @@ class Scheduler {
   std::vector<int32_t> safe_slot_;    // [F] cached safe slot of each worker (-1: none)
   std::vector<uint8_t> stuck_;        // [F] donor known to have no within move
   std::vector<int64_t> copies_into_;  // [F]
-  std::vector<Move> moves_;           // undo log of stage 3: hops and the moves within after them
+  std::vector<Move> moves_;           // undo log of stage 3, capacity max_hops_: 4 F (R + 1)
   std::vector<Move> kept_;            // the first search's candidate while the second one runs
   int64_t searched_moves_ = 0;        // moves explored by the last search_beyond
   int64_t max_hops_ = 0;              // cap on the tile moves of the beyond phase
