@@ -15,7 +15,6 @@ Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import signal
@@ -26,7 +25,8 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
-from servers import PROMPTS, Server, alive, free_port, free_port_pair, http, tiny  # noqa: E402
+from servers import PROMPTS, Server, alive, base_env, free_port, free_port_pair, http, tiny  # noqa: E402
+from afore.serve.launcher import _die_with_parent  # noqa: E402
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -44,23 +44,47 @@ def _mode_args(mode: str) -> list[str]:
     return ["--enforce-eager"] if mode == "eager" else []
 
 
-class PlainCuda(Server):
+class StartedServer(Server):
+    """A ``Server`` started without waiting, so that many start at once. Started from the main
+    thread: a child's parent-death signal (PR_SET_PDEATHSIG) fires when the *thread* that
+    spawned it exits, so starting from a thread pool would kill the servers with the pool."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: str, start_timeout_s: float = 900.0):
+        self.cmd, self.port, self.log_path = cmd, port, log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=base_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self.deadline = time.monotonic() + start_timeout_s
+
+    def wait_ready(self) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.cmd[:6]} exited with {self.proc.returncode} during start; log:\n{self.tail()}")
+            if time.monotonic() > self.deadline:
+                self.stop()
+                raise TimeoutError(f"server not healthy in time; log:\n{self.tail()}")
+            if self.health() == 200:
+                return
+            time.sleep(1.0)
+
+
+class PlainCuda(StartedServer):
     def __init__(self, model: str, dtype: str, mode: str, log_path: str):
         port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", "512", "--seed", "0",
                *VLLM_MEMORY, *_mode_args(mode)]
-        super().__init__(cmd, port, log_path, start_timeout_s=900)
+        super().__init__(cmd, port, log_path)
 
 
-class AforeCuda(Server):
+class AforeCuda(StartedServer):
     def __init__(self, model: str, dtype: str, mode: str, log_path: str):
         port = free_port_pair()
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
                "--ffn-workers", "2", "--colocate", "--transport", "torch-gloo", "--policy", "static",
                "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
                *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
-        super().__init__(cmd, port, log_path, start_timeout_s=900)
+        super().__init__(cmd, port, log_path)
 
     @property
     def admin(self) -> str:
@@ -128,22 +152,21 @@ def servers(tmp_path_factory):
     """(arch, dtype, mode) -> (plain, afore), all started at once."""
     logs = tmp_path_factory.mktemp("gpu-logs")
     models = {a: tiny(a) for a in ARCHS}  # built here, on the GPU host
-    jobs = {}
-    with concurrent.futures.ThreadPoolExecutor(2 * len(CASES)) as pool:
-        for a, d, m in CASES:
-            jobs[(a, d, m)] = (pool.submit(PlainCuda, models[a], d, m, str(logs / f"plain-{a}-{d}-{m}.log")),
-                               pool.submit(AforeCuda, models[a], d, m, str(logs / f"afore-{a}-{d}-{m}.log")))
-        started, errors = {}, []
-        for key, (p, f) in jobs.items():
-            try:
-                started[key] = (p.result(), f.result())
-            except Exception as exc:  # noqa: BLE001 - reported below, the others still stop
-                errors.append(f"{key}: {exc}")
+    jobs = {(a, d, m): (PlainCuda(models[a], d, m, str(logs / f"plain-{a}-{d}-{m}.log")),
+                        AforeCuda(models[a], d, m, str(logs / f"afore-{a}-{d}-{m}.log"))) for a, d, m in CASES}
+    started, errors = {}, []
+    for key, pair in jobs.items():
+        try:
+            for server in pair:
+                server.wait_ready()
+            started[key] = pair
+        except Exception as exc:  # noqa: BLE001 - reported by the tests, the others still run
+            errors.append(f"{key}: {exc}")
     log_dir = os.environ.get("GPU_LOGS", "")
     yield started, errors, logs
-    for plain, afore in started.values():
-        plain.stop()
-        afore.stop()
+    for pair in jobs.values():
+        for server in pair:
+            server.stop()
     if log_dir:
         subprocess.run(f"tar -czf {log_dir}/gpu-logs.tgz -C {logs} .", shell=True, check=False)
 
