@@ -251,7 +251,7 @@ def test_the_crd_check_rejects_broken_objects():
 def test_core_objects_and_pod_templates_validate(overlay):
     docs = render(overlay)
     kinds = {d["kind"] for d in docs}
-    assert kinds <= {"LeaderWorkerSet", "Service", "ConfigMap"}, f"{overlay}: unexpected kinds {kinds}"
+    assert kinds <= {"LeaderWorkerSet", "Service", "ConfigMap", "NetworkPolicy"}, f"{overlay}: unexpected kinds {kinds}"
     for d in docs:
         if d["kind"] != "LeaderWorkerSet":
             core_validate(d)
