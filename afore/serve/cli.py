@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="vLLM --seed (sampling)")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for each start-up phase")
     parser.add_argument("--vllm-arg", action="append", default=[], metavar="ARG", help="extra argument passed to vLLM's server (repeatable)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's and the workers' output here (default: in the log file that the ready banner names)")
+    parser.add_argument("--log-file", default="", metavar="PATH",
+                        help="the children's log (default: ~/.cache/afore/logs/serve-<time>-<pid>.log, under $AFORE_CACHE_DIR if set)")
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -77,7 +81,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
                         colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, dtype=args.dtype,
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
-                        vllm_args=list(args.vllm_arg))
+                        vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -614,19 +614,20 @@ def serve(opts: ServeOptions) -> int:
     launcher = Launcher(opts)
     previous = {sig: signal.signal(sig, launcher.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        launcher.start()
-        admin = f"; admin on http://{opts.host}:{opts.admin}/afore/status" if opts.admin >= 0 else ""
-        if opts.role == "ffn":
-            print(f"afore: FFN node of {launcher.model} up (F={opts.ffn_workers}, policy {launcher.policy}): transport store "
-                  f"on port {launcher.store_port}, demand receiver on port {opts.demand_port}; waiting for the attention "
-                  f"node (A={opts.attn_workers}){admin}", file=sys.stderr, flush=True)
-        else:
-            print(f"afore: serving {launcher.model} on http://{opts.host}:{opts.port}/v1 "
-                  f"(A={opts.attn_workers}, F={opts.ffn_workers}"
-                  + (f", FFN node {opts.ffn_host}" if opts.role == "attention" else f", policy {launcher.policy}") + ")"
-                  + admin, file=sys.stderr, flush=True)
+        try:
+            launcher.start()
+        except (RuntimeError, TimeoutError):  # a child failed or hung: show why, from its output
+            tail = launcher.output.tail()
+            if tail:
+                print(f"afore serve: the last lines of {launcher.output.path}:\n{tail}", file=sys.stderr, flush=True)
+            raise
+        print(ready_banner(role=opts.role, model=launcher.model, host=opts.host, port=opts.port, admin=opts.admin,
+                           policy=launcher.policy, attn_workers=opts.attn_workers, ffn_workers=opts.ffn_workers,
+                           ffn_host=opts.ffn_host, store_port=launcher.store_port, demand_port=opts.demand_port,
+                           log_path=launcher.output.path), file=sys.stderr, flush=True)
         return launcher.supervise()
     finally:
         launcher.shutdown()
+        launcher.output.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

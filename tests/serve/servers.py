@@ -155,7 +155,7 @@ class AforeServer(Server):
     def __init__(self, model: str, log_path: str, attn_workers: int = 1, ffn_workers: int = 2, policy: str = "static",
                  extra: list[str] | None = None):
         port = free_port_pair()
-        cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--attn-workers", str(attn_workers),
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--verbose", "--model", model, "--attn-workers", str(attn_workers),
                "--ffn-workers", str(ffn_workers), "--policy", policy, "--port", str(port), "--colocate",
                "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", *(extra or [])]
         super().__init__(cmd, port, log_path)
@@ -191,7 +191,7 @@ class FfnNode(Server):
     def __init__(self, model: str, log_path: str, attn_workers: int = 1, ffn_workers: int = 2, policy: str = "afore"):
         self.store_port, self.demand_port, self.admin_port = free_port(), free_port(), free_port()
         self.ffn_workers = ffn_workers
-        cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", model,
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--verbose", "--role", "ffn", "--host", "0.0.0.0", "--model", model,
                "--attn-workers", str(attn_workers),
                "--ffn-workers", str(ffn_workers), "--policy", policy, "--colocate", "--dtype", "float32",
                "--store-port", str(self.store_port), "--demand-port", str(self.demand_port),
@@ -227,7 +227,7 @@ class AttentionNode(AforeServer):
 
     def __init__(self, ffn: FfnNode, model: str, log_path: str, attn_workers: int = 1):
         port = free_port_pair()
-        cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "attention", "--ffn-host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "afore.cli", "serve", "--verbose", "--role", "attention", "--ffn-host", "127.0.0.1",
                "--model", model, "--attn-workers", str(attn_workers), "--ffn-workers", str(ffn.ffn_workers),
                "--store-port", str(ffn.store_port), "--demand-port", str(ffn.demand_port), "--port", str(port),
                "--colocate", "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"]
