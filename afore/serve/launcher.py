@@ -50,6 +50,7 @@ from afore.serve.supervisor import SchedulerSupervisor
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
 from afore.scheduler.policies import POLICY_NAMES
+from afore.serve.console import ChildOutput, ready_banner
 
 log = logging.getLogger("afore.serve")
 
@@ -83,6 +84,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enforce_eager: bool = False
     dtype: str = "auto"
     seed: int = 0
+    verbose: bool = False           # the children's output on this terminal instead of the log file
+    log_file: str = ""              # the children's log; "" = <afore cache>/logs/serve-<time>-<pid>.log
     start_timeout_s: float = 600.0
     exchange_timeout_s: float = 60.0
     vllm_args: list[str] = []
@@ -252,6 +255,7 @@ class Launcher:
         tag = f"afore-{os.getpid()}"
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
         self._admin = None  # afore.serve.admin.AdminServer once started
+        self.output = ChildOutput(opts.verbose, opts.log_file)  # where the children's stdout/stderr go
         self.supervisor = SchedulerSupervisor()
         self._stopping = threading.Event()
         self._lock = threading.RLock()
@@ -325,7 +329,7 @@ class Launcher:
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
                             params=SchedulerParams(copy_budget=self.opts.copy_budget),
                             listen=listen)  # token: from the environment
-        proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent, env=self.child_env())
+        proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent, env=self.child_env(), **self.output.popen_kwargs())
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
         if listen:
@@ -382,7 +386,8 @@ class Launcher:
                    "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
                    "--copy-rate-gbps", str(opts.copy_rate_gbps), "--backend", self.backend,
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
-            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.child_env())))
+            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.child_env(),
+                                                                **self.output.popen_kwargs())))
         self._check_children("starting FFN workers")
 
     def server_command(self) -> list[str]:
@@ -419,7 +424,8 @@ class Launcher:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.opts.attn_workers))
-        self.server = Child("vllm", subprocess.Popen(self.server_command(), env=env, preexec_fn=_die_with_parent))
+        self.server = Child("vllm", subprocess.Popen(self.server_command(), env=env, preexec_fn=_die_with_parent,
+                                                     **self.output.popen_kwargs()))
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.opts.start_timeout_s
@@ -536,15 +542,15 @@ class Launcher:
             self._serve_requests()
             self.supervisor.poll(self)  # a dead scheduler is restarted
             if self.server is not None and self.server.proc.poll() is not None:
-                log.error("afore: vLLM server exited with %s", self.server.proc.returncode)
+                log.error("afore: vLLM server exited with %s%s", self.server.proc.returncode, self.output.where())
                 return 1
             dead = [c for c in self.ffn if c.proc.poll() is not None]
             if dead:
                 # The exchanges of every request fail now and the FFN pool cannot be rebuilt under a
                 # running vLLM: exit non-zero so the orchestrator restarts the replica (on two nodes
                 # the pair: LWS restarts the group); vLLM's /health is non-200 until it stops.
-                log.error("afore: %s exited with %s; stopping (restart afore serve to recover)",
-                          dead[0].name, dead[0].proc.returncode)
+                log.error("afore: %s exited with %s; stopping (restart afore serve to recover)%s",
+                          dead[0].name, dead[0].proc.returncode, self.output.where())
                 return 1
             for child in self.children():
                 key = f"{child.name}:{child.proc.pid}"
@@ -552,7 +558,8 @@ class Launcher:
                     reported.add(key)
                     what = "planning stops, FFN workers run primary-only plans" if child.name == "scheduler" \
                         else "requests that reach it fail and vLLM reports unhealthy"
-                    print(f"afore: {child.name} (pid {child.proc.pid}) exited with {child.proc.returncode}: {what}",
+                    print(f"afore: {child.name} (pid {child.proc.pid}) exited with {child.proc.returncode}: {what}"
+                          f"{self.output.where()}",
                           file=sys.stderr, flush=True)
         return 0
 
