@@ -24,6 +24,12 @@ Policies: with ``--launch`` the benchmark starts ``afore serve --policy NAME`` p
 ``--url``'s port and stops it afterwards; otherwise it asks the running server to switch
 with ``set_policy`` before each run: POST ``/afore/policy`` on ``afore serve``'s admin
 endpoint (``--admin-url``, default the API port + 1, as ``afore serve --admin-port 0``).
+
+Servers side by side: ``--servers NAME=URL,NAME=URL`` measures each running server as it is
+(no policy switch), one run per NAME in the same report, e.g. plain vLLM against ``afore
+serve`` on the same checkpoint and GPU (``bench/device/serve_cuda.sh``). The per-layer time
+breakdown (attention, A2F, FFN, F2A, wait for plans) is not measured here yet: the report's
+``layer_breakdown`` field is the hook, filled once the data plane exports its stage timers.
 """
 
 from __future__ import annotations
@@ -335,8 +341,9 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
 
 def _stats(values: np.ndarray) -> dict:
     if values.size == 0:
-        return {"p50": None, "p95": None, "mean": None}
-    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95)), "mean": float(values.mean())}
+        return {"p50": None, "p95": None, "p99": None, "mean": None}
+    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95)),
+            "p99": float(np.percentile(values, 99)), "mean": float(values.mean())}
 
 
 # ---------------------------------------------------------------- server control
@@ -443,6 +450,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     parser.add_argument("--policies", default="afore", help="comma-separated placement policies, run in this order")
+    parser.add_argument("--servers", default="",
+                        help="NAME=URL,...: measure these running servers as they are (no policy switch), one run each")
     parser.add_argument("--max-tokens", type=int, default=128, help="cap on output tokens per request")
     parser.add_argument("--output-len", type=int, default=None, help="fixed output tokens per request (default: from the data set)")
     parser.add_argument("--max-prompt-chars", type=int, default=4000, help="skip ShareGPT prompts longer than this")
@@ -475,9 +484,26 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     return policies
 
 
+def parse_servers(spec: str) -> dict[str, str]:
+    """``NAME=URL,NAME=URL`` -> {name: url} (ValueError naming ``servers`` otherwise)."""
+    out: dict[str, str] = {}
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        name, sep, url = item.partition("=")
+        parts = urllib.parse.urlsplit(url)
+        if not sep or not name or parts.scheme not in ("http", "https") or not parts.hostname or name in out:
+            raise ValueError(f"servers: expected distinct NAME=http://HOST:PORT items, got {item!r}")
+        out[name] = url.rstrip("/")
+    if not out:
+        raise ValueError(f"servers: expected NAME=URL[,NAME=URL...], got {spec!r}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         policies = _check_args(args)
+        servers = parse_servers(args.servers) if args.servers else {}
+        if servers and args.launch:
+            raise ValueError("servers: measures running servers; leave out --launch")
         prompts = load_prompts(args.dataset, args.num_prompts, args.max_tokens, args.output_len,
                                args.dataset_path, args.max_prompt_chars, args.seed)
     except ValueError as exc:
@@ -490,10 +516,13 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out
     # Launched servers' output: beside the report with --out, else in the temp dir (never in the repo).
     log_path = (out_dir or Path(tempfile.gettempdir())) / f"{args.name}-server.log"
-    for policy in policies:
+    for policy in (servers or policies):
         process = None
+        url = servers.get(policy, url)
         try:
-            if args.launch:
+            if servers:
+                pass  # measured as it runs
+            elif args.launch:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 print(f"afore bench serve: starting server for {policy} (log: {log_path})", file=sys.stderr)
                 process = launch_server(url, policy, shlex.split(args.serve_args), log_path,
@@ -524,7 +553,8 @@ def run(args: argparse.Namespace) -> int:
         "url": url, "dataset": args.dataset, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "output_len": args.output_len, "ignore_eos": ignore_eos,
         "launch": args.launch, "serve_args": args.serve_args, "seed": args.seed, "note": args.note,
-        "prompt_output_lens": [p.output_len for p in prompts],
+        "servers": servers, "prompt_output_lens": [p.output_len for p in prompts],
+        "layer_breakdown": None,  # hook: per-layer attention / A2F / FFN / F2A / plan-wait times (data plane)
     }
     measured = {p: r for p, r in runs.items() if "error" not in r}
     if measured:
@@ -537,10 +567,10 @@ def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir
     """JSON + markdown table + PNG (throughput, TTFT and ITL bars per policy)."""
     from afore.bench.report import markdown_table, write_report
 
-    headers = ["policy", "ok/total", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "E2E p50 ms"]
+    headers = ["policy", "ok/total", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "ITL p99 ms", "E2E p50 ms"]
     measured = {p: r for p, r in runs.items() if "error" not in r}
     rows = [[p, f"{r['completed']}/{r['requests']}", r["request_throughput"], r["output_throughput"],
-             _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p95"]), _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p95"]),
+             _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p95"]), _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p95"]), _fmt(r["itl_ms"].get("p99")),
              _fmt(r["e2e_ms"]["p50"])] for p, r in measured.items()]
     markdown = (
         f"# afore bench serve\n\nData set {settings['dataset']}, {settings['num_prompts']} prompts, "

@@ -204,3 +204,20 @@ def test_packaged_sharegpt_when_installed():
     prompts = serve.load_prompts("sharegpt", 20, max_tokens=256, seed=1)
     assert len(prompts) == 20 and len({p.text for p in prompts}) == 20
     assert prompts == serve.load_prompts("sharegpt", 20, max_tokens=256, seed=1)
+
+
+def test_running_servers_are_measured_side_by_side_without_a_policy_switch(fake_server, tmp_path):
+    plain = fake_server("--first-delay", "0.02", "--itl", "0.005")   # no /afore/policy: plain vLLM
+    afore = fake_server("--policy-endpoint", "--first-delay", "0.06", "--itl", "0.005")
+    data = _gsm8k_file(tmp_path / "gsm8k.jsonl", 6)
+    args = _args(plain, tmp_path, data, servers=f"vllm={plain},afore={afore}", num_prompts=6, concurrency=2,
+                 warmup=0, max_tokens=4)
+    assert serve.run(args) == 0
+    assert _get(f"{afore}/fake/stats")["policies"] == []  # measured as it runs
+    report = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert list(report["runs"]) == ["vllm", "afore"]
+    assert report["runs"]["vllm"]["ttft_ms"]["p50"] < report["runs"]["afore"]["ttft_ms"]["p50"]
+    assert report["runs"]["afore"]["itl_ms"]["p99"] >= report["runs"]["afore"]["itl_ms"]["p50"]
+    assert report["settings"]["layer_breakdown"] is None  # not measured yet (the data plane's stage timers)
+    with pytest.raises(ValueError, match="servers"):
+        serve.parse_servers("vllm=localhost:8000")
