@@ -164,9 +164,9 @@ def _route_hist_kernel(ids_ptr, table_ptr, hist_ptr, E,
 
 @triton.jit
 def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
-                  block_slot_ptr, block_rows_ptr, used_blocks_ptr, errors_ptr, E,
+                  block_slot_ptr, block_rows_ptr, used_blocks_ptr, errors_ptr, E, num_chunks,
                   EP: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  HIST_FROM_TABLE: tl.constexpr, NUM_CHUNKS: tl.constexpr, HIST_ROWS: tl.constexpr,
+                  HIST_FROM_TABLE: tl.constexpr, HIST_ROWS: tl.constexpr,
                   SCAN: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
     n = tl.load(table_ptr + 3 * EP)
@@ -178,9 +178,9 @@ def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
     total = tl.zeros((EP,), dtype=tl.int32)
     before = tl.zeros((EP,), dtype=tl.int32)
     if HIST_FROM_TABLE:
-        for c0 in range(0, NUM_CHUNKS, HIST_ROWS):
+        for c0 in range(0, num_chunks, HIST_ROWS):
             rows = c0 + tl.arange(0, HIST_ROWS)
-            h = tl.load(hist_ptr + rows[:, None] * EP + eo[None, :], mask=rows[:, None] < NUM_CHUNKS, other=0)
+            h = tl.load(hist_ptr + rows[:, None] * EP + eo[None, :], mask=rows[:, None] < num_chunks, other=0)
             total += tl.sum(h, 0)
             before += tl.sum(tl.where(rows[:, None] < pid, h, 0), 0)
     else:
@@ -236,8 +236,8 @@ def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
 
 @triton.jit
 def _step_gate_up_kernel(x_ptr, sorted_pair_ptr, block_slot_ptr, block_rows_ptr, used_blocks_ptr, w13_ptr, act_ptr,
-                         H, I, stride_xm, stride_ws, stride_wn, stride_am,
-                         TOPK: tl.constexpr, GRID_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         H, I, stride_xm, stride_ws, stride_wn, stride_am, grid_m,
+                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -246,7 +246,7 @@ def _step_gate_up_kernel(x_ptr, sorted_pair_ptr, block_slot_ptr, block_rows_ptr,
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_M)
-    for b in range(pid_m, used, GRID_M):
+    for b in range(pid_m, used, grid_m):
         slot = tl.load(block_slot_ptr + b)
         valid = r < tl.load(block_rows_ptr + b)
         pair = tl.load(sorted_pair_ptr + b * BLOCK_M + r, mask=valid, other=0)
@@ -279,8 +279,8 @@ def _step_gate_up_kernel(x_ptr, sorted_pair_ptr, block_slot_ptr, block_rows_ptr,
 
 @triton.jit
 def _step_down_kernel(act_ptr, sorted_pair_ptr, block_slot_ptr, block_rows_ptr, used_blocks_ptr, weight_ptr, w2_ptr,
-                      y_ptr, H, I, stride_am, stride_ws, stride_wn, stride_ym,
-                      GRID_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      y_ptr, H, I, stride_am, stride_ws, stride_wn, stride_ym, grid_m,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -289,7 +289,7 @@ def _step_down_kernel(act_ptr, sorted_pair_ptr, block_slot_ptr, block_rows_ptr, 
     mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_M)
-    for b in range(pid_m, used, GRID_M):
+    for b in range(pid_m, used, grid_m):
         slot = tl.load(block_slot_ptr + b)
         valid = r < tl.load(block_rows_ptr + b)
         rows = (b * BLOCK_M + r).to(tl.int64)
@@ -352,8 +352,8 @@ def launch_route(ids: torch.Tensor, table: torch.Tensor, buffers, errors: torch.
         _route_hist_kernel[(num_chunks,)](ids, table, buffers.hist, num_experts, EP=ep, CHUNK=chunk, num_warps=4)
     _route_kernel[(num_chunks,)](ids, table, buffers.hist, buffers.pair_pos, buffers.sorted_pair,
                                  buffers.block_slot, buffers.block_rows, buffers.used_blocks, errors,
-                                 num_experts, EP=ep, BLOCK_M=block_m, CHUNK=chunk, SUB=32,
-                                 HIST_FROM_TABLE=from_table, NUM_CHUNKS=num_chunks, HIST_ROWS=16,
+                                 num_experts, num_chunks, EP=ep, BLOCK_M=block_m, CHUNK=chunk, SUB=32,
+                                 HIST_FROM_TABLE=from_table, HIST_ROWS=16,
                                  SCAN=1024, BLOCK_T=32, num_warps=8)
 
 
@@ -365,16 +365,17 @@ def launch_experts(x: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     grid_m = buffers.block_slot.numel()
     ieee = x.dtype == torch.float32
+    stages = min(cfg.num_stages, 2) if ieee else cfg.num_stages  # fp32 tiles: twice the shared memory
     _step_gate_up_kernel[(grid_m, triton.cdiv(inter, cfg.gate_up_n))](
         x, buffers.sorted_pair, buffers.block_slot, buffers.block_rows, buffers.used_blocks, w13, buffers.act,
-        h, inter, x.stride(0), w13.stride(0), w13.stride(1), buffers.act.stride(0),
-        TOPK=top_k, GRID_M=grid_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        h, inter, x.stride(0), w13.stride(0), w13.stride(1), buffers.act.stride(0), grid_m,
+        TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_n, BLOCK_K=cfg.block_k, IEEE=ieee,
+        num_warps=cfg.num_warps, num_stages=stages)
     _step_down_kernel[(grid_m, triton.cdiv(h, cfg.down_n))](
         buffers.act, buffers.sorted_pair, buffers.block_slot, buffers.block_rows, buffers.used_blocks, weights, w2,
-        buffers.y, h, inter, buffers.act.stride(0), w2.stride(0), w2.stride(1), buffers.y.stride(0),
-        GRID_M=grid_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        buffers.y, h, inter, buffers.act.stride(0), w2.stride(0), w2.stride(1), buffers.y.stride(0), grid_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_n, BLOCK_K=cfg.block_k, IEEE=ieee,
+        num_warps=cfg.num_warps, num_stages=stages)
 
 
 def launch_combine(buffers, table: torch.Tensor, out: torch.Tensor, ep: int, top_k: int) -> None:

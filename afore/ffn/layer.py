@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from afore.ffn.device_plan import DevicePlan
-from afore.ffn.experts import LAYER_BACKENDS, StepConfig, grouped_expert_mlp, routed_expert_step, triton_available
-from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs
+from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grouped_expert_mlp, routed_expert_step,
+                               triton_available)
+from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs, tuned_config
 from afore.ffn.partition import worker_mask
 from afore.migrator.slot_pool import SlotPool
 from afore.plan import Plan
@@ -107,9 +108,14 @@ class FFNLayer:
         self.plan_table.upload(table, n * k)
         if self.graphs is not None and n <= self.graphs.max_tokens:
             return self.graphs.run(hidden, topk_ids, topk_weights)
+        config = self.config
+        if config is None and self.graphs is not None and self.graphs.tune:
+            # large (prefill) steps: the fastest prefill config, timed once per power-of-two size
+            config = tuned_config(1 << (n - 1).bit_length(), topk_ids.shape[1], self.pool.w13, self.pool.w2,
+                                  self.pool.shape.num_experts, self.plan_table.table, self.errors, PREFILL_CONFIGS, reps=3)
         return routed_expert_step(hidden.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
                                   self.plan_table.table, self.pool.w13, self.pool.w2, self.errors,
-                                  self.pool.shape.num_experts, self.backend, self.config)
+                                  self.pool.shape.num_experts, self.backend, config)
 
     __call__ = forward
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The FFN step on a lent H200 (issue 12): the GPU tests of the step (graphs, no host sync,
+# plan changes with copies) and `afore bench dataplane --part ffn`, reports under $OUT.
+# vLLM (for the fused_moe comparison) comes from the team's bundle: carry the pieces
+# .devcarry/vllm-bundle/piece-0N one per call, back to back (each call copies what it carries to
+# /tmp/w), and unpack.sh, SHA256SUMS, BUNDLE_SHA256 with the last; this script unpacks once all
+# are there. Without it the bench runs without the vLLM columns.
+#   bash bench/device/ffn_h200.sh [bench args...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+mkdir -p /tmp/w
+cp .devcarry/vllm-bundle/piece-* /tmp/w/ 2>/dev/null
+if [ ! -d /tmp/site/vllm ] && [ -f .devcarry/vllm-bundle/unpack.sh ]; then
+  bash .devcarry/vllm-bundle/unpack.sh /tmp/w || echo "vLLM bundle not unpacked: bench runs without vLLM"
+fi
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/ffn/test_step_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 330 python3 -c 'import sys; sys.argv[0] = "afore"; from afore.cli import main; sys.exit(main(sys.argv[1:]))' \
+  bench dataplane --part ffn --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
