@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "migration": ("afore.bench.migration", "expert copy cost, overlap and grouped-GEMM time (GPU)"),
     "serve": ("afore.bench.serve", "throughput, TTFT and ITL per policy through the HTTP API"),
     "ab": ("afore.bench.ab", "A/B of every placement policy on one trace: simulated AFD pipeline calibrated by GPU measurements"),
+    "affinity": ("afore.bench.affinity", "co-clustered primaries under afore (fan-out, bytes, tile load) and token-cost request routing (TTFT/TPOT)"),
+    "dataplane": ("afore.bench.dataplane", "data-plane parts (--part ffn: the FFN step against its floors and vLLM's fused_moe)"),
 }
 
 
