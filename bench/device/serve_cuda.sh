@@ -33,7 +33,7 @@ python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 --ffn
 afore=$!
 for url in http://127.0.0.1:8100 http://127.0.0.1:8000; do
   python3 -c "import sys, time, urllib.request
-for _ in range(400):
+for _ in range(300):
     try:
         urllib.request.urlopen(sys.argv[1] + '/health', timeout=2); break
     except OSError: time.sleep(1)" "$url"
