@@ -431,12 +431,13 @@ class Launcher:
         deadline = time.monotonic() + self.opts.start_timeout_s
         while time.monotonic() < deadline:
             self._check_children("starting vLLM")
-            if self.health() == 200:
+            if self.api_health() == 200:
                 return
             time.sleep(0.5)
         raise TimeoutError(f"vLLM not healthy after {self.opts.start_timeout_s} s")
 
-    def health(self) -> int:
+    def api_health(self) -> int:
+        """vLLM's /health status code on the API port (0 when it does not answer)."""
         try:
             with urllib.request.urlopen(f"http://{self.opts.host}:{self.opts.port}/health", timeout=5) as r:
                 return r.status
