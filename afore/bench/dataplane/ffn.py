@@ -254,9 +254,12 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
                                       "ms": per_call_ms(fn, device, reps)})
                     except Exception as exc:  # noqa: BLE001
                         sweep.append({"model": name, "load": load, "config": dataclasses.asdict(cfg), "error": str(exc)[:200]})
-                torch_layer = FFNLayer(pool, backend="torch")
-                torch_layer.stage_plan(plan)
-                row["torch_grouped_mm_ms"] = per_call_ms(lambda: torch_layer(x, ids_d, w_d, plan), device, reps)
+                try:
+                    torch_layer = FFNLayer(pool, backend="torch")
+                    torch_layer.stage_plan(plan)
+                    row["torch_grouped_mm_ms"] = per_call_ms(lambda: torch_layer(x, ids_d, w_d, plan), device, reps)
+                except Exception as exc:  # noqa: BLE001
+                    row["torch_grouped_mm_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             if vllm is not None:
                 row.update(_vllm_arms(vllm, pool, plan, shape, x, ids_d, w_d, mine, ref, tokens, is_prefill, reps, device))
         (prefill_rows if is_prefill else rows).append(row)
