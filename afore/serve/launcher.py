@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import platform
 import queue
 import signal
 import subprocess
@@ -170,14 +171,35 @@ def read_serving_spec(path: str) -> tuple[ModelSpec, dict]:
     return spec, config
 
 
-def serving_dtype(requested: str, config: dict) -> str:
-    """The dtype name the model is served in: vLLM's ``--dtype`` (``auto`` = the checkpoint's
-    config.json dtype, float32 when it declares none, as vLLM resolves it)."""
+def device_dtypes(device: str) -> list[str]:
+    """The dtypes vLLM supports on ``device``, in vLLM's order of preference (the first is what
+    ``--dtype auto`` gives a float32 checkpoint): ``current_platform.supported_dtypes`` of vLLM's
+    CPU and CUDA platforms."""
+    if device == "cuda":
+        import torch
+
+        major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+        if (major, minor) >= (8, 0):
+            return ["bfloat16", "float16", "float32"]
+        return ["float16", "float32"] if (major, minor) >= (6, 0) else ["float32"]
+    if platform.machine().lower().startswith("ppc"):
+        return ["bfloat16", "float32", "float16"]
+    return ["bfloat16", "float16", "float32"]  # x86 and aarch64 CPUs
+
+
+def serving_dtype(requested: str, config: dict, device: str) -> str:
+    """The one dtype both halves serve in (vLLM and the FFN workers), resolved once here and
+    passed to both by name. ``auto`` resolves as vLLM's ``_resolve_auto_dtype`` does: the
+    checkpoint's config.json dtype (float32 when it declares none), but a float32 checkpoint, or
+    a dtype the device lacks, gets the device's preferred dtype (``device_dtypes``: bfloat16 on
+    x86/aarch64 CPUs and on GPUs of compute capability >= 8.0)."""
     aliases = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
     name = aliases.get(requested, requested)
     declared = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    declared = aliases.get(declared, declared)
     if name == "auto":
-        name = aliases.get(declared, declared)
+        supported = device_dtypes(device)
+        name = supported[0] if declared == "float32" or declared not in supported else declared
     if name not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {requested!r} (checkpoint: {declared!r})")
     return name
@@ -252,6 +274,7 @@ class Launcher:
         self.scheduler: Child | None = None
         self.server: Child | None = None
         self.policy = opts.policy
+        self.dtype = ""  # resolved by start(): what vLLM and the FFN workers both run
         tag = f"afore-{os.getpid()}"
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
         self._admin = None  # afore.serve.admin.AdminServer once started
@@ -287,7 +310,7 @@ class Launcher:
             self.spec, self.config = read_serving_spec(self.model)
             check_shape(opts, self.spec, device_count(opts.device))
             self.backend = transport_backend(opts, device_count(opts.device))
-            serving_dtype(opts.dtype, self.config)
+            self.dtype = serving_dtype(opts.dtype, self.config, opts.device)  # one dtype for both halves
             steps.update()
             for phase in phases:
                 steps.set_postfix_str(phase)
@@ -383,7 +406,7 @@ class Launcher:
             cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
                    "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", store_host,
                    "--port", str(self.store_port), "--device", self._worker_device(first_device + w),
-                   "--dtype", serving_dtype(opts.dtype, self.config), "--redundant-slots", str(opts.redundant_slots),
+                   "--dtype", self.dtype, "--redundant-slots", str(opts.redundant_slots),
                    "--copy-rate-gbps", str(opts.copy_rate_gbps), "--backend", self.backend,
                    "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
             self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.child_env(),
@@ -394,7 +417,7 @@ class Launcher:
         opts = self.opts
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", opts.host, "--port", str(opts.port), "--max-model-len", str(opts.max_model_len),
-               "--dtype", opts.dtype, "--seed", str(opts.seed)]
+               "--dtype", self.dtype or opts.dtype, "--seed", str(opts.seed)]
         if opts.attn_workers > 1:
             cmd += ["--data-parallel-size", str(opts.attn_workers)]
         if opts.enforce_eager:
@@ -412,7 +435,7 @@ class Launcher:
                                    attn_workers=self.opts.attn_workers, ffn_workers=self.opts.ffn_workers,
                                    moe_layers=list(self.spec.moe_layer_indices), store_port=self.store_port,
                                    hidden=self.spec.hidden_size, store_host=self.opts.ffn_host if split else self.opts.host,
-                                   dtype=serving_dtype(self.opts.dtype, self.config), device=self.opts.device,
+                                   dtype=self.dtype, device=self.opts.device,
                                    backend=self.backend,
                                    microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
@@ -467,6 +490,7 @@ class Launcher:
             "model": self.model,
             "attn_workers": self.opts.attn_workers,
             "ffn_workers": self.opts.ffn_workers,
+            "dtype": self.dtype,
             "processes": {c.name: {"pid": c.proc.pid, "alive": c.proc.poll() is None} for c in self.children()},
         }
         if self.opts.role != "attention":

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from servers import tiny
+from servers import needs_vllm, tiny
 
 from afore.routing import count_demand
 from afore.attention.role import AttentionRoleConfig, load_from_env
@@ -80,12 +80,26 @@ def test_unknown_architecture_and_activation_refused(tmp_path):
         read_serving_spec(str(tmp_path))
 
 
-def test_serving_dtype_follows_vllm_auto():
-    assert serving_dtype("auto", {"torch_dtype": "bfloat16"}) == "bfloat16"
-    assert serving_dtype("auto", {}) == "float32"
-    assert serving_dtype("half", {"dtype": "bfloat16"}) == "float16"
+def test_serving_dtype_resolves_auto_for_the_device():
+    assert serving_dtype("auto", {"torch_dtype": "bfloat16"}, "cpu") == "bfloat16"
+    assert serving_dtype("auto", {}, "cpu") == "bfloat16"  # a float32 checkpoint: the CPU's preferred dtype
+    assert serving_dtype("auto", {"torch_dtype": "float16"}, "cpu") == "float16"
+    assert serving_dtype("float32", {"torch_dtype": "bfloat16"}, "cpu") == "float32"  # asked for: kept
+    assert serving_dtype("half", {"dtype": "bfloat16"}, "cpu") == "float16"
     with pytest.raises(ValueError, match="dtype"):
-        serving_dtype("int8", {})
+        serving_dtype("int8", {}, "cpu")
+
+
+@needs_vllm
+@pytest.mark.parametrize("declared", ["float32", "bfloat16", "float16", None])
+def test_serving_dtype_auto_is_what_vllm_resolves_on_this_device(declared):
+    import torch
+    from vllm.config.model import _resolve_auto_dtype
+
+    config_dtype = getattr(torch, declared or "float32")
+    want = _resolve_auto_dtype("qwen3_moe", config_dtype, is_pooling_model=False)
+    config = {"torch_dtype": declared} if declared else {}
+    assert serving_dtype("auto", config, "cpu") == str(want).removeprefix("torch.")
 
 
 def test_impossible_shapes_refused():
