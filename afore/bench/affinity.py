@@ -117,7 +117,7 @@ def run_config(shape: ClusterShape, adaptive: bool, batches: list[np.ndarray], c
     owner = shape.primary_owner
     table, prev = SlotTable.empty(shape), None
     last = None
-    fan, ratio, copies = [], [], 0
+    fan, fan_local, ratio, copies = [], [], [], 0
     for t, ids in enumerate(batches):
         demand = np.bincount(ids.reshape(-1), minlength=shape.num_experts).astype(np.int64)
         if adaptive:
@@ -128,11 +128,18 @@ def run_config(shape: ClusterShape, adaptive: bool, batches: list[np.ndarray], c
         else:
             plan = primary_only_plan(shape, demand, Target(t, 0, 0), t)
         fan.append(fanout.distinct_per_row(fanout.plan_workers(ids, plan, owner)))
+        if adaptive:
+            fan_local.append(fanout.distinct_per_row(fanout.locality_workers(ids, plan, owner)))
         ratio.append(plan.max_tile_load / max(plan.tile_load.mean(), 1e-9))
     fan_all = np.concatenate(fan)
-    return {"fanout_mean": float(fan_all.mean()), "fanout_p99": float(np.percentile(fan_all, 99)),
-            "bytes_per_token": float(fanout.bytes_per_token(fan_all.mean(), OLMOE_HIDDEN, shape.top_k)),
-            "tile_load_max_mean": float(np.mean(ratio)), "copies_per_microbatch": copies / len(batches)}
+    out = {"fanout_mean": float(fan_all.mean()), "fanout_p99": float(np.percentile(fan_all, 99)),
+           "bytes_per_token": float(fanout.bytes_per_token(fan_all.mean(), OLMOE_HIDDEN, shape.top_k)),
+           "tile_load_max_mean": float(np.mean(ratio)), "copies_per_microbatch": copies / len(batches)}
+    if adaptive:   # the same plans, pairs given to their token's home worker where the counts allow
+        local = np.concatenate(fan_local)
+        out["locality_partition"] = {"fanout_mean": float(local.mean()), "fanout_p99": float(np.percentile(local, 99)),
+                                     "bytes_per_token": float(fanout.bytes_per_token(local.mean(), OLMOE_HIDDEN, shape.top_k))}
+    return out
 
 
 def fanout_part(counts: dict, workers: list[int], domains: tuple[str, ...], args: argparse.Namespace, mb: int,
@@ -171,10 +178,13 @@ def fanout_part(counts: dict, workers: list[int], domains: tuple[str, ...], args
                         policy = ("afore" if adaptive else ("static" if layout_name == "contiguous" else "sem-moe"))
                         r = run_config(shape, adaptive, tests[layer], cost, params)
                         test_c, test_l = coactivation(np.concatenate(tests[layer]), e)
-                        rows.append({"source": source, "held_out": held, "layer": layer, "F": f, "layout": layout_name,
-                                     "policy": policy, **r,
-                                     "in_set_coactivation": cocluster.in_set_share(test_c, shape.primary_owner),
-                                     "expected_set_load_max_mean": cocluster.set_load_ratio(test_l, shape.primary_owner, f)})
+                        common = {"source": source, "held_out": held, "layer": layer, "F": f, "layout": layout_name,
+                                  "in_set_coactivation": cocluster.in_set_share(test_c, shape.primary_owner),
+                                  "expected_set_load_max_mean": cocluster.set_load_ratio(test_l, shape.primary_owner, f)}
+                        local = r.pop("locality_partition", None)
+                        rows.append({**common, "policy": policy, **r})
+                        if local is not None:
+                            rows.append({**common, "policy": "afore+locality-partition", **r, **local})
             done += 1
             print(f"  fan-out: {done}/{total} ({source} {held} F={f})", file=sys.stderr)
         for row in rows:
@@ -329,8 +339,8 @@ def render_markdown(data: dict) -> str:
 def interpretation(data: dict) -> str:
     out = []
     for s in data["fanout"]["summary"]:
-        if s["source"] == "olmoe" and s["F"] == 8 and s["policy"] == "afore" and s["layout"] != "contiguous":
-            out.append(f"OLMoE, F = 8, afore on {s['layout']} primaries: fan-out {s['fanout_change_vs_contiguous_static']:+.1%} against "
+        if s["source"] == "olmoe" and s["F"] == 8 and s["policy"].startswith("afore") and s["layout"] != "contiguous":
+            out.append(f"OLMoE, F = 8, {s['policy']} on {s['layout']} primaries: fan-out {s['fanout_change_vs_contiguous_static']:+.1%} against "
                        f"contiguous primaries (target -30%), tile load {s['tile_load_vs_afore_contiguous']:+.1%} against afore on contiguous "
                        f"primaries (target <= 0).")
     return " ".join(out)
@@ -346,7 +356,7 @@ def render_figure(data: dict):
     summary = data["fanout"]["summary"]
     for source, marker in (("olmoe", "o"), ("synthetic-semmoe", "s")):
         for layout, style in (("contiguous", "-"), ("co-clustered (per layer)", "--"), ("co-clustered (one for all layers)", ":")):
-            for policy, colour in (("static", "C0"), ("sem-moe", "C0"), ("afore", "C1")):
+            for policy, colour in (("static", "C0"), ("sem-moe", "C0"), ("afore", "C1"), ("afore+locality-partition", "C2")):
                 pts = sorted((s["F"], s["fanout_mean"], s["tile_load_max_mean"]) for s in summary
                              if s["source"] == source and s["layout"] == layout and s["policy"] == policy)
                 if not pts:

@@ -176,3 +176,22 @@ def test_olmoe_token_model_from_the_real_traces():
     assert s["class_entropy_nats"] < s["marginal_entropy_nats"]   # the class carries information
     with pytest.raises(ValueError, match="domains"):
         olmoe.token_model(counts, (7, 15), ["nope"])
+
+
+def test_locality_partition_is_exact_and_keeps_tokens_home():
+    rng = np.random.default_rng(8)
+    shape = ClusterShape(num_experts=16, num_workers=4, redundant_slots=2, m_tile=2, top_k=4,
+                         primaries=tuple(int(w) for w in rng.permutation(np.arange(16) % 4)))
+    ids = semmoe_synthetic(16, 4, num_topics=4, seed=3).sample(400, 4, rng)
+    demand = np.bincount(ids.reshape(-1), minlength=16)
+    plan, _ = core.schedule(shape, demand, SlotTable.empty(shape), np.zeros((4, 2), bool), None,
+                            SchedulerParams(copy_budget=4), CostModel(window_ms=10.0), Target(0, 0, 0), 0)
+    workers = fanout.locality_workers(ids, plan, shape.primary_owner)
+    got = np.zeros((16, 4), np.int64)
+    np.add.at(got, (ids.reshape(-1), workers.reshape(-1)), 1)
+    assert np.array_equal(got, plan.assignment)          # the plan's counts, exactly
+    assert np.all(plan.replicas[ids.reshape(-1), workers.reshape(-1)])
+    eq11 = fanout.distinct_per_row(fanout.plan_workers(ids, plan, shape.primary_owner)).mean()
+    assert fanout.distinct_per_row(workers).mean() <= eq11
+    assert fanout.home_workers(np.array([[0, 1, 2]]), np.array([1, 0, 0]), 2).tolist() == [0]
+    assert fanout.home_workers(np.array([[0, 1]]), np.array([1, 0]), 2).tolist() == [1]   # tie: first slot's owner
