@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -227,13 +228,18 @@ def test_a_plan_relying_on_a_copy_never_run_is_refused():
         ok.migrator.release(p)
 
 
-def test_metrics_port_range_checked():
-    assert ServeOptions(metrics_port=0).metrics_port == 0
-    assert ServeOptions(metrics_port=9400, ffn_workers=4).metrics_port == 9400
-    with pytest.raises(ValueError, match="metrics_port"):
-        ServeOptions(metrics_port=65535, ffn_workers=2)  # FFN workers would need ports past 65535
-    with pytest.raises(ValueError, match="metrics_port"):
-        ServeOptions(metrics_port=-3)
+def test_metrics_port_is_gone_with_a_pointer_to_the_endpoint():
+    import argparse
+
+    from afore.serve.cli import add_arguments, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert options_from_args(parser.parse_args([])).port == 8000
+    with pytest.raises(ValueError, match=r"metrics_port: --metrics-port is gone; .*/metrics of the API port"):
+        options_from_args(parser.parse_args(["--metrics-port", "9400"]))
+    with pytest.raises(msgspec.ValidationError, match="metrics_port"):
+        msgspec.convert({"metrics_port": 9400}, ServeOptions)  # not a field any more
 
 
 def test_split_roles_are_checked_before_anything_starts():

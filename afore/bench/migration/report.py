@@ -60,6 +60,18 @@ def judge_targets(data: dict) -> dict:
 
 
 
+def _ms_sum(metrics: dict, family: str) -> float:
+    """Sum of histogram ``family`` in ms from a scraped sample dict: ``FAMILY_seconds_sum`` (current
+    names) or ``FAMILY_ms_sum`` (results recorded before the metrics moved to base units)."""
+    if f"{family}_seconds_sum" in metrics:
+        return metrics[f"{family}_seconds_sum"] * 1e3
+    return metrics.get(f"{family}_ms_sum", 0.0)
+
+
+def _count(metrics: dict, family: str) -> float:
+    return metrics.get(f"{family}_seconds_count", metrics.get(f"{family}_ms_count", 0.0))
+
+
 def report_markdown(data: dict) -> str:
     from afore.bench.report import markdown_table
 
@@ -133,10 +145,10 @@ def report_markdown(data: dict) -> str:
                                   "window ms (sum/count)", "exposed ms (sum)", "copies", "primary-only", "demand accepted over TCP", "exit codes"],
                                  [[r["backend"], r["attention_device"], ", ".join(r["ffn_devices"]), r["targets"], f"{r['max_rel_error']:.1e}",
                                    f"{r['median_round_trip_ms']:.2f}",
-                                   f"{r['worker0_metrics'].get('afore_ffn_lookahead_window_ms_sum', 0):.2f}/{r['worker0_metrics'].get('afore_ffn_lookahead_window_ms_count', 0):.0f}",
-                                   f"{r['worker0_metrics'].get('afore_ffn_exposed_copy_wait_ms_sum', 0):.3f}",
+                                   f"{_ms_sum(r['worker0_metrics'], 'afore_ffn_lookahead_window'):.2f}/{_count(r['worker0_metrics'], 'afore_ffn_lookahead_window'):.0f}",
+                                   f"{_ms_sum(r['worker0_metrics'], 'afore_ffn_exposed_copy_wait'):.3f}",
                                    f"{r['worker0_metrics'].get('afore_ffn_copies_total', 0):.0f}",
-                                   f"{r['worker0_metrics'].get('afore_ffn_primary_only_total', 0):.0f}",
+                                   f"{r['worker0_metrics'].get('afore_ffn_primary_only_targets_total', r['worker0_metrics'].get('afore_ffn_primary_only_total', 0)):.0f}",
                                    "-" if "scheduler_metrics" not in r else
                                    f"{sum(v for k, v in r['scheduler_metrics'].items() if 'accepted' in k):.0f}",
                                    r["exit_codes"]] for r in wk["rounds"]]), ""]

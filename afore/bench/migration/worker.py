@@ -14,16 +14,17 @@ import torch
 from tqdm import tqdm
 
 from afore.config import ClusterShape
-from afore.ports import free_port, free_port_run
+from afore.ports import free_port
 
 
-def scrape(port: int) -> dict:
+def scrape(url: str) -> dict:
+    """FFN worker 0's afore_ffn_* samples of a Prometheus endpoint, by sample name (no histogram buckets)."""
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
-        if line.startswith("afore_ffn_") and "{" in line and "_created" not in line and "_bucket" not in line:
+        if line.startswith("afore_ffn_") and 'worker="0"' in line and "_created" not in line and "_bucket" not in line:
             out[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
     return out
 
@@ -64,11 +65,11 @@ def rel_errors(targets: list, inputs: list, outs: list, weights: list) -> list[f
     return errors
 
 
-def scrape_samples(port: int) -> dict:
+def scrape_samples(url: str) -> dict:
     """Every sample of a Prometheus endpoint, by its full name (labels included)."""
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#") and "_created" not in line}
 
@@ -115,7 +116,7 @@ def worker_round(args, backend: str, attn_device: str, ffn_devices: list[str], r
                 ring.publish(plans[seq])
         outs, times = exchange_all(conn, targets, inputs, attn_device, f"worker {backend}")
         errors = rel_errors(targets, inputs, outs, weights)
-        metrics = scrape(metrics_port)
+        metrics = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         stop_ffn_workers(procs)
         if conn is not None:
@@ -145,12 +146,11 @@ def ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> di
     weights = [load_routed_experts(args.model, i, torch.float32) for i in spec.moe_layer_indices]
     shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=layers, top_k=spec.top_k)
     store_port, demand_port, admin_port = free_port(), free_port(), free_port()
-    metrics_port = free_port_run(1 + num_ffn)
     token = os.urandom(8).hex()
     cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", args.model,
            "--attn-workers", "1", "--ffn-workers", str(num_ffn), "--device", device, "--dtype", "float32",
            "--policy", "afore", "--store-port", str(store_port), "--demand-port", str(demand_port),
-           "--admin-port", str(admin_port), "--metrics-port", str(metrics_port)]
+           "--admin-port", str(admin_port)]
     if device == "cpu":
         cmd.append("--colocate")
     node = subprocess.Popen(cmd, env={**os.environ, "AFORE_DEMAND_TOKEN": token})
@@ -173,7 +173,8 @@ def ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> di
 
         outs, times = exchange_all(conn, targets, inputs, attn_device, "worker ffn-node", send_demand)
         errors = rel_errors(targets, inputs, outs, weights)
-        scheduler, worker0 = scrape_samples(metrics_port), scrape(metrics_port + 1)
+        node_metrics = f"http://127.0.0.1:{admin_port}/metrics"  # the FFN node's one endpoint: every process of it
+        scheduler, worker0 = scrape_samples(node_metrics), scrape(node_metrics)
     finally:
         if node.poll() is None:
             node.send_signal(signal.SIGTERM)
@@ -189,7 +190,7 @@ def ffn_node_round(args, attn_device: str, device: str, num_ffn: int, rng) -> di
     return {"backend": f"{cfg.backend} (afore serve --role ffn)", "attention_device": attn_device,
             "ffn_devices": [f"{device} x{num_ffn}"], "targets": len(targets), "plans_from_ring": True,
             "max_rel_error": max(errors), "median_round_trip_ms": statistics.median(times), "exit_codes": [node.returncode],
-            "worker0_metrics": worker0, "scheduler_metrics": {k: v for k, v in scheduler.items() if "receiver" in k or "published" in k}}
+            "worker0_metrics": worker0, "scheduler_metrics": {k: v for k, v in scheduler.items() if "receiver" in k or "plans_total" in k}}
 
 
 def bench_worker(args, device: torch.device, gpus: int, rng, on_round=None) -> dict | None:
