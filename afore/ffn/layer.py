@@ -32,7 +32,7 @@ from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grou
 from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs, tuned_config
 from afore.ffn.partition import worker_mask
 from afore.migrator.slot_pool import SlotPool
-from afore.plan import Plan
+from afore.plan import Plan, Target, primary_only_plan
 
 
 class FFNLayer:
@@ -86,6 +86,18 @@ class FFNLayer:
         """Validate and convert ``plan`` for this worker now (host only; call when the plan
         arrives, so that ``forward`` finds it ready). ValueError names the bad field."""
         self.plan_table.stage(plan)
+
+    def capture_graphs(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Capture (and tune) the step's graph for each token bucket now, e.g. at start-up, so
+        that no step pays for it (synchronises; a no-op without graphs)."""
+        if self.graphs is None:
+            return
+        shape = self.pool.shape
+        table = self.plan_table.stage(primary_only_plan(shape, np.zeros(shape.num_experts, np.int64), Target(0, 0, 0), 0))
+        for bucket in buckets or self.graphs.buckets:
+            if bucket not in self.graphs.graphs:
+                self.plan_table.upload(table, bucket * shape.top_k)
+                self.graphs.capture(bucket)
 
     def input_errors(self) -> int:
         """Pairs with an id outside [0, E) seen so far (reads the device counter: a host sync,
