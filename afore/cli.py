@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("afore.traces.cli", "convert, generate and inspect routing traces"),
     "status": ("afore.scheduler.status_cli", "show the control plane's segments and metrics"),
     "profile": ("afore.affinity.cli", "profile expert affinity (co-activation per layer) and co-cluster primaries"),
+    "route": ("afore.serve.router_proxy", "HTTP front of afore serve that routes requests to attention engines by token cost"),
 }
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
