@@ -24,7 +24,7 @@ import time
 from afore import _shm
 from afore.config import ClusterShape
 from afore.plan import Plan, Target
-from afore.scheduler.plan_codec import decode_plan, encode_plan, max_encoded_length
+from afore.scheduler.plan_codec import decode_worker_plan, encode_plan, max_encoded_length
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class PlanRing:
             return None
         self.last_copied_ns = copied_ns
         try:
-            plan = decode_plan(payload, self.shape)
+            plan = decode_worker_plan(payload, self.shape)
             if plan.seq != seq or (step, layer, microbatch) != (plan.target.step, plan.target.layer, plan.target.microbatch):
                 raise ValueError(f"plan: entry (seq {entry_seq}) does not match its payload (seq {plan.seq}, {plan.target})")
             if target is not None and plan.target != target:

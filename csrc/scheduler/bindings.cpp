@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -151,9 +152,55 @@ int64_t schedule_bench(afore::Scheduler& s, const In<int64_t, 1>& demand,
   return samples[samples.size() / 2];
 }
 
+constexpr int64_t kInt32Max = 2147483647;
+
+// Reductions without early exit, so that they vectorise (the build is -O2, where GCC does not
+// vectorise by itself): a plan body is a few thousand int32 read by every worker per target.
+#if defined(__GNUC__) && !defined(__clang__)
+#define AFORE_VECTORIZE __attribute__((optimize("tree-vectorize")))
+#else
+#define AFORE_VECTORIZE
+#endif
+AFORE_VECTORIZE int32_t or_all(const int32_t* v, int64_t n) {  // negative iff some value is
+  int32_t bits = 0;
+  for (int64_t i = 0; i < n; ++i) bits |= v[i];
+  return bits;
+}
+AFORE_VECTORIZE uint32_t any_outside(const int32_t* v, int64_t n, uint32_t limit) {
+  uint32_t bad = 0;  // -1 <= v < limit - 1  <=>  (uint32)(v + 1) < limit
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>(v[i]) + 1u >= limit;
+  return bad;
+}
+
+// The int32 body of an encoded plan (afore/scheduler/plan_codec.py), copied out of `data` in
+// one pass that also checks every value a worker indexes with: counts (demand, assignment,
+// tiles) >= 0, slots in [-1, k_max), copies' expert < E, workers < F, slot < k_max.
+Out<int32_t, 1> plan_body(nb::bytes data, size_t offset, int64_t e, int64_t f, int64_t c, int64_t k_max) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the plan wire format is little-endian");
+  const int64_t ef = e * f, counts = e + 2 * ef, n = counts + ef + f + 4 * c;
+  if (e < 0 || f < 0 || c < 0 || offset > data.size() || data.size() - offset != static_cast<size_t>(4 * n))
+    throw std::invalid_argument("plan.body: expected " + std::to_string(4 * n) + " bytes");
+  Buffer<int32_t> out(static_cast<size_t>(n));
+  std::memcpy(out.data, data.c_str() + offset, static_cast<size_t>(4 * n));
+  const int32_t* v = out.data;
+  if (or_all(v, counts) < 0) throw std::invalid_argument("plan: negative demand, assignment or tiles");
+  if (k_max < 0 || k_max >= kInt32Max || any_outside(v + counts, ef, static_cast<uint32_t>(k_max) + 1u))
+    throw std::invalid_argument("plan.slot: expected values in [-1, " + std::to_string(k_max) + ")");
+  const int64_t bound[4] = {e, f, f, k_max};
+  for (int64_t i = 0; i < 4 * c; ++i) {
+    const int32_t x = v[counts + ef + f + i];
+    if (x < 0 || x >= bound[i % 4]) throw std::invalid_argument("plan.copies: expert, worker or slot out of range");
+  }
+  return Out<int32_t, 1>(out.data, {static_cast<size_t>(n)}, out.owner);
+}
+
 }  // namespace
 
 NB_MODULE(_scheduler_core, m) {
+  m.def("plan_body", &plan_body, "data"_a, "offset"_a, "num_experts"_a, "num_workers"_a, "num_copies"_a,
+        "k_max"_a,
+        "int32[E + 3 E F + F + 4 C]: the body of an encoded plan, copied out of data[offset:] and "
+        "range-checked in one pass (plan_codec.decode_worker_plan). Raises ValueError.");
   m.doc() = "AFORE Algorithm 1 (C++ core); use afore.scheduler.core.schedule.";
   nb::class_<afore::Scheduler>(m, "Scheduler",
                                "Planner for one cluster shape; holds preallocated scratch. "

@@ -6,44 +6,50 @@ from hypothesis import given, settings, strategies as st
 
 from afore.config import ClusterShape
 from afore.plan import Target, check_plan, primary_only_plan
-from afore.scheduler.plan_codec import decode_plan, encode_plan, max_encoded_length
+from afore.scheduler.plan_codec import decode_plan, decode_worker_plan, encode_plan, max_encoded_length
+
+DECODERS = pytest.mark.parametrize("decode", [decode_plan, decode_worker_plan], ids=["full", "worker"])
 
 SHAPE = ClusterShape(num_experts=32, num_workers=4, num_layers=3, redundant_slots=2, m_tile=8, top_k=4)
 
 
-def test_roundtrip_preserves_every_field(make_plan):
+@DECODERS
+def test_roundtrip_preserves_every_field(make_plan, decode):
     rng = np.random.default_rng(0)
     for seq in range(20):
         plan = make_plan(SHAPE, rng, Target(seq // 6, seq % 3, seq % 2), seq)
         check_plan(SHAPE, plan)
         data = encode_plan(plan)
         assert len(data) <= max_encoded_length(SHAPE)
-        got = decode_plan(data, SHAPE)
+        got = decode(data, SHAPE)
         check_plan(SHAPE, got)
         assert (got.target, got.seq, got.primary_only, got.gain_ms) == (plan.target, plan.seq, False, plan.gain_ms)
         for name in ("demand", "replicas", "assignment", "tiles", "slot", "copies", "tile_load"):
             np.testing.assert_array_equal(getattr(got, name), getattr(plan, name), err_msg=name)
         assert got.demand.dtype == np.int64
+        assert got.assignment.flags.writeable and got.slot.flags.writeable  # torch.from_numpy needs it
 
 
-def test_every_single_bit_flip_is_rejected(make_plan):
+@DECODERS
+def test_every_single_bit_flip_is_rejected(make_plan, decode):
     plan = make_plan(SHAPE, np.random.default_rng(1), Target(1, 2, 1), 11)
     data = bytearray(encode_plan(plan))
     for i in range(0, len(data), 7):
         for bit in (0, 5):
             data[i] ^= 1 << bit
             with pytest.raises(ValueError):
-                decode_plan(bytes(data), SHAPE)
+                decode(bytes(data), SHAPE)
             data[i] ^= 1 << bit
 
 
-def test_every_truncation_is_rejected():
+@DECODERS
+def test_every_truncation_is_rejected(decode):
     data = encode_plan(primary_only_plan(SHAPE, np.arange(32), Target(0, 0, 0), 0))
     for n in range(len(data)):
         with pytest.raises(ValueError):
-            decode_plan(data[:n], SHAPE)
+            decode(data[:n], SHAPE)
     with pytest.raises(ValueError):
-        decode_plan(data + b"\0\0\0\0", SHAPE)
+        decode(data + b"\0\0\0\0", SHAPE)
 
 
 def test_plan_for_another_shape_is_rejected():
@@ -63,20 +69,70 @@ def test_valid_checksum_but_inconsistent_body_is_rejected():
         decode_plan(bytes(data), SHAPE)
 
 
+@DECODERS
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=2048))
-def test_random_bytes_never_crash(data):
+def test_random_bytes_never_crash(decode, data):
     with pytest.raises(ValueError):
-        decode_plan(data, SHAPE)
+        decode(data, SHAPE)
 
 
+@DECODERS
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=1, max_size=600), st.integers(0, 10**6))
-def test_valid_prefix_with_random_tail_never_crashes(tail, cut):
+def test_valid_prefix_with_random_tail_never_crashes(decode, tail, cut):
     data = encode_plan(primary_only_plan(SHAPE, np.arange(32), Target(0, 1, 0), 2))
     cut = cut % len(data)
     mutated = data[:cut] + tail
     if mutated == data:
         return
     with pytest.raises(ValueError):
-        decode_plan(mutated, SHAPE)
+        decode(mutated, SHAPE)
+
+
+def _resealed(plan, offset_in_body: int, value: int) -> bytes:
+    """The encoding of ``plan`` with int32 ``value`` at ``offset_in_body`` and a valid checksum."""
+    data = bytearray(encode_plan(plan))
+    start = 12 + int.from_bytes(data[6:8], "little") + 4 * offset_in_body
+    data[start:start + 4] = int(value).to_bytes(4, "little", signed=True)
+    data[8:12] = zlib.crc32(bytes(data[12:])).to_bytes(4, "little")
+    return bytes(data)
+
+
+@pytest.mark.parametrize("where,value,message", [
+    ("demand", -1, "negative"), ("assignment", -5, "negative"), ("tiles", -1, "negative"),
+    ("slot", -2, "plan.slot"), ("slot", 8 + 2, "plan.slot"), ("slot", 2**31 - 1, "plan.slot"),
+    ("copy_expert", 32, "plan.copies"), ("copy_worker", 4, "plan.copies"), ("copy_slot", -1, "plan.copies"),
+])
+def test_worker_decode_rejects_every_value_that_indexes_out_of_range(make_plan, where, value, message):
+    # A plan that passes its checksum (a buggy writer) must still not index out of bounds.
+    plan = make_plan(SHAPE, np.random.default_rng(4), Target(0, 1, 0), 3)
+    assert len(plan.copies) > 0
+    e, f = SHAPE.num_experts, SHAPE.num_workers
+    copies = e + 3 * e * f + f
+    offset = {"demand": 0, "assignment": e, "tiles": e + e * f, "slot": e + 2 * e * f, "copy_expert": copies,
+              "copy_worker": copies + 2, "copy_slot": copies + 3}[where]
+    data = _resealed(plan, offset, value)
+    for decode in (decode_worker_plan, decode_plan):
+        with pytest.raises(ValueError, match=message):
+            decode(data, SHAPE)
+
+
+def test_worker_decode_leaves_consistency_to_the_migrator_and_full_decode_checks_it():
+    # demand[0] no longer the row sum: the worker's decode passes it on (the migrator rejects it
+    # against its own state), the full decode rejects it.
+    plan = primary_only_plan(SHAPE, np.arange(32), Target(0, 0, 0), 0)
+    data = _resealed(plan, 0, 999)
+    assert decode_worker_plan(data, SHAPE).demand[0] == 999
+    with pytest.raises(ValueError, match="demand"):
+        decode_plan(data, SHAPE)
+
+
+def test_worker_decode_computes_replicas_on_first_use(make_plan):
+    plan = make_plan(SHAPE, np.random.default_rng(5), Target(0, 2, 1), 8)
+    got = decode_worker_plan(encode_plan(plan), SHAPE)
+    assert got._replicas is None
+    np.testing.assert_array_equal(got.replicas, plan.replicas)
+    assert got.replicas is got.replicas
+    got.replicas = np.zeros_like(plan.replicas)  # still a Plan: fields can be set
+    assert not got.replicas.any()
