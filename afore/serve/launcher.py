@@ -454,6 +454,8 @@ class Launcher:
         deadline = time.monotonic() + self.opts.start_timeout_s
         while time.monotonic() < deadline:
             self._check_children("starting vLLM")
+            if self._stopping.is_set():  # SIGINT/SIGTERM while vLLM starts: stop now, not at the timeout
+                raise RuntimeError("stopped (SIGINT/SIGTERM) while vLLM was starting")
             if self.api_health() == 200:
                 return
             time.sleep(0.5)

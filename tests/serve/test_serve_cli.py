@@ -47,3 +47,16 @@ def test_help_documents_every_option_with_its_default():
                 f"{action.option_strings[0]}: --help does not show its default"
     assert "(default: 8000)" in text and "(default: afore)" in text
     assert re.search(r"--admin-port.*?default 0 = --port \+ 1", text, re.S)
+
+
+def test_ctrl_c_while_vllm_starts_stops_at_once():
+    import time
+
+    from afore.serve.launcher import Launcher, ServeOptions
+
+    launcher = Launcher(ServeOptions(port=1, start_timeout_s=120.0))  # nothing answers on port 1
+    launcher.request_stop()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="stopped"):
+        launcher.wait_healthy()
+    assert time.monotonic() - t0 < 10
