@@ -28,7 +28,7 @@ python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 
   --gpu-memory-utilization 0.3 > "$OUT/plain-vllm.log" 2>&1 &
 plain=$!
 python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 --ffn-workers 2 --colocate \
-  --transport torch-gloo --policy afore --host 127.0.0.1 --port 8000 "${common[@]}" \
+  --transport torch-gloo --policy afore --host 127.0.0.1 --port 8000 --verbose "${common[@]}" \
   --vllm-arg=--gpu-memory-utilization=0.3 > "$OUT/afore-serve.log" 2>&1 &
 afore=$!
 for url in http://127.0.0.1:8100 http://127.0.0.1:8000; do

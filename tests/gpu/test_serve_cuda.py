@@ -81,7 +81,7 @@ class AforeCuda(StartedServer):
     def __init__(self, model: str, dtype: str, mode: str, log_path: str):
         port = free_port_pair()
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
-               "--ffn-workers", "2", "--colocate", "--transport", "torch-gloo", "--policy", "static",
+               "--ffn-workers", "2", "--colocate", "--transport", "torch-gloo", "--policy", "static", "--verbose",
                "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
                *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
         super().__init__(cmd, port, log_path)
