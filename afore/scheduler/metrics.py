@@ -44,6 +44,8 @@ from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWi
 LATENCY_BUCKETS_S = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)
 SYNC_INTERVAL_S = 0.5
 READER_OUTCOMES = ("copied", "stale_skipped", "missed", "torn", "rejected", "evicted")
+# the mailbox's (afore.prefetch.mailbox.MissedTarget.reason) and the service's own
+MISS_REASONS = ("incomplete", "deadline", "overflow", "policy_error", "publish_timeout")
 REPORT_OUTCOMES = ("accepted", "rejected_invalid", "rejected_duplicate", "dropped_full")
 
 
@@ -99,6 +101,8 @@ class SchedulerMetrics:
         self.plans = counter("afore_scheduler_plans", "plans published", "policy").labels(*p)
         self.misses = _Bound(counter("afore_scheduler_plan_misses", "targets without a plan, by reason",
                                      "policy", "reason"), *p)
+        for reason in MISS_REASONS:  # exported from 0, so a rate exists before the first miss
+            self.misses.labels(reason)
         self.publish_latency = histogram("afore_scheduler_demand_to_plan_seconds", "demand complete -> plan published",
                                          LATENCY_BUCKETS_S, "policy").labels(*p)
         self.copy_latency = histogram("afore_scheduler_plan_read_seconds",

