@@ -97,6 +97,42 @@ def test_core_equals_reference_on_random_inputs(instance):
     both(*instance)
 
 
+@st.composite
+def holdout_instances(draw):
+    """Beyond the steady state: cold or burst slot tables, R = 1 or 2, budgets 1..F, E up to 256,
+    F up to 128, M_tile 64-128 (the inputs of ``afore bench scheduler``'s hold-out)."""
+    e = draw(st.sampled_from([128, 256, 96, 200]))
+    f = draw(st.sampled_from([16, 64, 128, 8, 32, 12]))
+    r = draw(st.sampled_from([1, 2]))
+    m = draw(st.sampled_from([64, 128, 96]))
+    shape = ClusterShape(num_experts=e, num_workers=f, redundant_slots=r, m_tile=m, top_k=8)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    budget = draw(st.sampled_from([f, 1, f // 2 + 1]) | st.integers(1, f))
+    params = SchedulerParams(theta=draw(st.sampled_from([0, 0, 1])), copy_budget=budget,
+                             chains=draw(st.sampled_from([True, True, False])))
+    cost = CostModel(window_ms=draw(st.sampled_from([5.0, 0.05, 0.5])))
+    popularity = rng.permutation(1.0 / np.arange(1, e + 1) ** rng.uniform(0.8, 1.4))
+    pairs = 8 * int(rng.integers(256, 4096))
+    table, protected, prev = SlotTable.empty(shape), np.zeros((f, r), bool), None
+    if draw(st.booleans()):  # burst on a warm pool: the state of one plan, then hot experts
+        warm = rng.multinomial(pairs, popularity / popularity.sum())
+        table, protected, prev = next_state(core.schedule(shape, warm, table, protected, None, params, cost,
+                                                          Target(0, 0, 0), 0))
+        hot = rng.choice(e, int(rng.integers(1, 6)), replace=False)
+        popularity[hot] *= rng.uniform(5, 40, hot.size)
+    demand = rng.multinomial(pairs, popularity / popularity.sum()).astype(np.int64)
+    return shape, demand, table, protected, prev, params, cost, Target(0, 0, 1), 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(holdout_instances())
+def test_core_equals_reference_beyond_the_steady_state(instance):
+    plan, _ = both(*instance)
+    shape, demand = instance[0], instance[1]
+    k = -(-demand // shape.m_tile)
+    assert plan.max_tile_load >= algorithm.average_bound(k, shape.num_workers)
+
+
 def edge_cases():
     rng = np.random.default_rng(3)
     params, cost, t = SchedulerParams(), CostModel(window_ms=0.05), Target(0, 0, 0)
