@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zipfile
 from pathlib import Path
 
 import msgspec
@@ -120,8 +121,8 @@ def read_file(path: str, field: str) -> dict | list:
         try:
             with np.load(p, allow_pickle=False) as data:
                 return {k: data[k] for k in data.files}
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{field}: {path!r} is not a readable .npz ({exc})") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # empty or not a zip archive: EOF/BadZip
+            raise ValueError(f"{field}: {path!r} is not a readable .npz ({exc or type(exc).__name__})") from None
     try:
         return json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -138,7 +139,8 @@ def _scalar(value: object, field: str) -> object:
 
 def _int(value: object, field: str) -> int:
     value = _scalar(value, field)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not np.isfinite(value)) \
+            or value != int(value):
         raise ValueError(f"{field}: expected an integer, got {value!r}")
     return int(value)
 
