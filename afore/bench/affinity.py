@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--m-tile", type=int, default=16)
     parser.add_argument("--load-slack", type=float, default=0.1, help="co-clustering load cap over the mean (default 0.1)")
     parser.add_argument("--requests", type=int, default=1500, help="requests per routing run (default 1500)")
+    parser.add_argument("--routing-seeds", type=int, default=3, help="arrival patterns per routing case (default 3)")
     parser.add_argument("--calibration", default=None, help="migration report (default bench/results/migration.json)")
     parser.add_argument("--olmoe-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             workers = [8]
         if not workers or any(f < 1 or f > 64 for f in workers):
             raise ValueError(f"--workers: expected F values in [1, 64] (OLMoE has 64 experts), got {args.workers!r}")
-        for name in ("tokens", "microbatches", "profile_tokens", "requests"):
+        for name in ("tokens", "microbatches", "profile_tokens", "requests", "routing_seeds"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
         folder = olmoe.find_olmoe_dir(args.olmoe_dir)
@@ -243,9 +244,12 @@ def routing_part(folder, args: argparse.Namespace, calibration, quick: bool) -> 
 
     model = StepModel(num_layers=layers, attn_ms_per_token=attn_per_token, ffn_ms=ffn_ms, max_batched_tokens=2048,
                       max_seqs=128, top_k=k, hidden_size=OLMOE_HIDDEN)
-    # Capacity: tokens per second when every engine runs full chunks.
+    # Capacity: tokens per second when every engine runs full chunks; with node pairs, half the
+    # pairs cross the inter-node link (the share that affinity-blind routing gives, measured below).
     step_full = layers * max(2048 * attn_per_token, ffn_ms(a_count * 2048))
-    capacity_tok_s = a_count * 2048 / step_full * 1e3
+    transfer_full = layers * a_count * 2048 * k * 0.5 * 2 * OLMOE_HIDDEN * model.activation_bytes / (model.inter_node_gbps * 1e6)
+    capacity = {"one FFN node": a_count * 2048 / step_full * 1e3,
+                "2 node pairs": a_count * 2048 / (step_full + transfer_full) * 1e3}
     mean_tokens = float((prompt_len + decode_len).mean())
     loads = (0.6, 0.85) if not quick else (0.85,)
     decode_estimate = int(np.median(decode_len))
@@ -261,15 +265,18 @@ def routing_part(folder, args: argparse.Namespace, calibration, quick: bool) -> 
     engine_node = np.array([0, 0, 1, 1])
 
     runs = []
-    for load in loads:
-        rate_per_ms = load * capacity_tok_s / mean_tokens / 1e3
-        arrivals = np.cumsum(rng.exponential(1.0 / rate_per_ms, size=n))
-        reqs = [SimRequest(float(arrivals[i]), int(prompt_len[i]), int(decode_len[i]), 1024, mass[i]) for i in range(n)]
+    seeds = 1 if quick else args.routing_seeds
+    for load, rep in [(load, rep) for load in loads for rep in range(seeds)]:
+        # one arrival pattern and request order per repetition, scaled to each deployment's capacity
+        gaps = np.random.default_rng([args.seed, rep]).exponential(1.0, size=n)
         scenarios = [("one FFN node", None, name, 0.0) for name in ("round-robin", "vllm-count", "token-cost")]
         for layout_name, layout in (("contiguous", node_contiguous), ("co-clustered", node_coclustered)):
             scenarios += [(f"2 node pairs, {layout_name} primaries", layout, name, w)
                           for name, w in (("vllm-count", 0.0), ("token-cost", 0.0), ("token-cost+locality", 1.0))]
         for scenario, layout, name, weight in scenarios:
+            rate_per_ms = load * capacity[scenario.split(",")[0]] / mean_tokens / 1e3
+            arrivals = np.cumsum(gaps / rate_per_ms)
+            reqs = [SimRequest(float(arrivals[i]), int(prompt_len[i]), int(decode_len[i]), 1024, mass[i]) for i in range(n)]
             local = None if layout is None else engine_node[:, None] == layout[None, :]
             router = RequestRouter(a_count, "token-cost" if name.startswith("token-cost") else name, decode_estimate,
                                    locality_weight=weight, engine_local=local)
@@ -277,7 +284,7 @@ def routing_part(folder, args: argparse.Namespace, calibration, quick: bool) -> 
                                     expert_node=layout)
             tpot = res["tpot_ms"][np.isfinite(res["tpot_ms"])]
             routed = np.bincount(res["engine"], weights=prompt_len + decode_len, minlength=a_count)
-            runs.append({"load": load, "scenario": scenario, "policy": name,
+            runs.append({"load": load, "repetition": rep, "scenario": scenario, "policy": name,
                          "ttft_p50_ms": float(np.percentile(res["ttft_ms"], 50)), "ttft_p99_ms": float(np.percentile(res["ttft_ms"], 99)),
                          "tpot_p50_ms": float(np.percentile(tpot, 50)), "tpot_p99_ms": float(np.percentile(tpot, 99)),
                          "engine_tokens": res["engine_tokens"].tolist(),
@@ -289,13 +296,32 @@ def routing_part(folder, args: argparse.Namespace, calibration, quick: bool) -> 
     return {"requests": n, "lengths": lengths_source, "prompt_tokens_mean": float(prompt_len.mean()),
             "decode_tokens_mean": float(decode_len.mean()), "decode_estimate": decode_estimate,
             "engines": a_count, "ffn_workers": f, "moe_layers": layers,
-            "attn_ms_per_token": attn_per_token, "capacity_tok_s": capacity_tok_s,
+            "attn_ms_per_token": attn_per_token, "capacity_tok_s": capacity,
             "step_model": "step = layers * max(max_a attn(tokens_a), ffn(total)) + inter-node transfer; attention sized to the FFN "
                           f"pool at {ref_tokens} decode tokens per engine (pipeline_sim.balanced_attention_ms); "
                           f"inter-node link {model.inter_node_gbps} GB/s (assumed, 400 Gb/s NIC)",
             "request_experts": "each request draws an OLMoE domain uniformly (ShareGPT has no domain label); its expert mix "
                                "is that domain's measured layer-7 distribution (the router's prediction is this mix: an oracle)",
-            "runs": runs}
+            "repetitions": seeds, "runs": runs, "summary": summarise_routing(runs)}
+
+
+def summarise_routing(runs: list[dict]) -> list[dict]:
+    """Per (load, deployment, routing): mean over repetitions of each percentile, with min and max,
+    and the change of the mean p99s against vLLM's count balancing in the same deployment."""
+    keys = list(dict.fromkeys((r["load"], r["scenario"], r["policy"]) for r in runs))
+    out = []
+    for load, scenario, policy in keys:
+        sel = [r for r in runs if (r["load"], r["scenario"], r["policy"]) == (load, scenario, policy)]
+        ref = [r for r in runs if (r["load"], r["scenario"], r["policy"]) == (load, scenario, "vllm-count")]
+        row = {"load": load, "scenario": scenario, "policy": policy, "repetitions": len(sel)}
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "remote_pair_share"):
+            values = [r[key] for r in sel]
+            row[key] = float(np.mean(values))
+            row[key + "_range"] = [float(min(values)), float(max(values))]
+        for key in ("ttft_p99_ms", "tpot_p99_ms"):
+            row[key.replace("_ms", "_vs_vllm_count")] = row[key] / float(np.mean([r[key] for r in ref])) - 1
+        out.append(row)
+    return out
 
 
 # ---------------------------------------------------------------------------- report
@@ -326,13 +352,18 @@ def render_markdown(data: dict) -> str:
     else:
         lines.append(f"{routing['requests']} requests, {routing['lengths']}; mean prompt {routing['prompt_tokens_mean']:.0f}, "
                      f"mean reply {routing['decode_tokens_mean']:.0f} tokens; {routing['engines']} engines, F = {routing['ffn_workers']}, "
-                     f"{routing['moe_layers']} MoE layers; capacity {routing['capacity_tok_s']:.0f} tok/s. {routing['step_model']}. "
+                     f"{routing['moe_layers']} MoE layers; capacity (full 2048-token chunks) " + ", ".join(f"{k}: {v:.0f} tok/s" for k, v in routing['capacity_tok_s'].items())
+                     + f"; load = arrival rate x mean request tokens / capacity. {routing['step_model']}. "
                      f"{routing['request_experts']}.")
         lines.append("")
-        rows = [[f"{r['load']:.0%}", r["scenario"], r["policy"], f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f}",
-                 f"{r['tpot_p99_ms']:.1f}", f"{r['engine_token_max_mean']:.2f}", f"{r['remote_pair_share']:.2f}"] for r in routing["runs"]]
-        lines.append(markdown_table(["load", "deployment", "routing", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-                                     "engine tokens max/mean", "remote pairs"], rows))
+        lines.append(f"Each row: mean over {routing['repetitions']} arrival patterns (p99 range in brackets).")
+        lines.append("")
+        rows = [[f"{r['load']:.0%}", r["scenario"], r["policy"], f"{r['ttft_p50_ms']:.0f}",
+                 f"{r['ttft_p99_ms']:.0f} [{r['ttft_p99_ms_range'][0]:.0f}-{r['ttft_p99_ms_range'][1]:.0f}]", f"{r['ttft_p99_vs_vllm_count']:+.1%}",
+                 f"{r['tpot_p50_ms']:.1f}", f"{r['tpot_p99_ms']:.1f} [{r['tpot_p99_ms_range'][0]:.1f}-{r['tpot_p99_ms_range'][1]:.1f}]",
+                 f"{r['tpot_p99_vs_vllm_count']:+.1%}", f"{r['remote_pair_share']:.2f}"] for r in routing["summary"]]
+        lines.append(markdown_table(["load", "deployment", "routing", "TTFT p50 ms", "TTFT p99 ms", "vs vllm-count", "TPOT p50 ms",
+                                     "TPOT p99 ms", "vs vllm-count", "remote pairs"], rows))
     return "\n".join(lines)
 
 
@@ -370,7 +401,7 @@ def render_figure(data: dict):
     axes[0].legend(fontsize=6)
     routing = data["routing"]
     if "runs" in routing:
-        runs = [r for r in routing["runs"] if r["load"] == max(x["load"] for x in routing["runs"])]
+        runs = [r for r in routing["summary"] if r["load"] == max(x["load"] for x in routing["summary"])]
         labels = [f"{r['scenario'].replace(' primaries', '')}\n{r['policy']}" for r in runs]
         x = np.arange(len(runs))
         axes[2].bar(x - 0.2, [r["ttft_p99_ms"] for r in runs], 0.4, label="TTFT p99 (ms)")
