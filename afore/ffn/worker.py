@@ -70,6 +70,10 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_timeout_ms: float = 5.0      # deadline for a target's plan at commit
     metrics_port: int = 0             # 0 = no HTTP endpoint
     copy_delay_ms: float = 0.0        # artificial delay per copy (CPU tests)
+    # The pool's shape as afore serve's launcher computed it once (m_tile, primary layout and all),
+    # the one the scheduler plans for; None = derived here from the checkpoint, num_ffn,
+    # redundant_slots and m_tile (a worker started on its own).
+    shape: ClusterShape | None = None
     copy_rate_gbps: float = DEFAULT_COPY_RATE_GBPS  # GPU copy pull rate cap while experts compute; 0 = full rate
     timeout_s: float = 300.0          # transport timeout
     depth: int = 2                    # targets queued ahead at the transport (>= 2)
@@ -91,6 +95,16 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
 
 
+def check_shape_fits(shape: ClusterShape, spec, num_ffn: int) -> None:
+    """A shape handed in by the launcher must describe this checkpoint and pool (ValueError
+    naming the field): experts, MoE layers and top-k of ``spec``, ``num_ffn`` workers."""
+    want = {"num_experts": spec.num_experts, "num_layers": len(spec.moe_layer_indices), "top_k": spec.top_k,
+            "num_workers": num_ffn}
+    for name, value in want.items():
+        if getattr(shape, name) != value:
+            raise ValueError(f"shape.{name}: expected {value} (the checkpoint and num_ffn), got {getattr(shape, name)}")
+
+
 class FFNWorker:
     """State and loop of one FFN worker."""
 
@@ -106,9 +120,10 @@ class FFNWorker:
         self.spec = spec
         if spec.num_experts < cfg.num_ffn:
             raise ValueError(f"num_ffn: expected at most num_experts={spec.num_experts} FFN workers, got {cfg.num_ffn}")
-        self.shape = ClusterShape(num_experts=spec.num_experts, num_workers=cfg.num_ffn,
-                                  num_layers=len(spec.moe_layer_indices), redundant_slots=cfg.redundant_slots,
-                                  m_tile=cfg.m_tile, top_k=spec.top_k)
+        self.shape = cfg.shape or ClusterShape(num_experts=spec.num_experts, num_workers=cfg.num_ffn,
+                                               num_layers=len(spec.moe_layer_indices), redundant_slots=cfg.redundant_slots,
+                                               m_tile=cfg.m_tile, top_k=spec.top_k)
+        check_shape_fits(self.shape, spec, cfg.num_ffn)
         self.transport = TransportConfig(cfg.host, cfg.port, cfg.num_attention, cfg.num_ffn, spec.hidden_size, spec.top_k,
                                          dtype, cfg.backend or ("nccl" if self.device.type == "cuda" else "gloo"),
                                          cfg.timeout_s, cfg.depth)

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+
+import msgspec
 
 from afore.ffn.worker import DTYPES, FFNWorkerConfig, run_and_exit
 from afore.config import DEFAULT_COPY_RATE_GBPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rank", type=int, required=True, help="this worker's index in [0, num-ffn)")
-    parser.add_argument("--num-ffn", type=int, required=True, help="F, FFN workers in the pool")
-    parser.add_argument("--num-attention", type=int, required=True, help="A, attention workers sending targets")
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--config-json", default=None,
+                        help="a whole FFNWorkerConfig as JSON (what afore serve passes; the other options are then unused)")
+    parser.add_argument("--rank", type=int, default=None, help="this worker's index in [0, num-ffn) (required without --config-json)")
+    parser.add_argument("--num-ffn", type=int, default=None, help="F, FFN workers in the pool (required without --config-json)")
+    parser.add_argument("--num-attention", type=int, default=None, help="A, attention workers sending targets (required without --config-json)")
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (required without --config-json)")
     parser.add_argument("--host", default="127.0.0.1", help="transport store host (attention rank 0)")
     parser.add_argument("--port", type=int, default=29600, help="transport store port")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:<index> (one GPU per worker)")
@@ -30,11 +35,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="transport timeout")
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = FFNWorkerConfig(rank=args.rank, num_ffn=args.num_ffn, num_attention=args.num_attention, model=args.model,
+def config_from_args(args: argparse.Namespace) -> FFNWorkerConfig:
+    """The worker's config: ``--config-json`` decoded (msgspec, errors name the field), else
+    built from the options (ValueError naming a missing one)."""
+    if args.config_json is not None:
+        try:
+            return msgspec.json.decode(args.config_json, type=FFNWorkerConfig)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ValueError(f"config_json: {exc}") from None
+    missing = [f"--{n.replace('_', '-')}" for n in ("rank", "num_ffn", "num_attention", "model") if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: required without --config-json")
+    return FFNWorkerConfig(rank=args.rank, num_ffn=args.num_ffn, num_attention=args.num_attention, model=args.model,
                           host=args.host, port=args.port, device=args.device, dtype=args.dtype, backend=args.backend,
                           redundant_slots=args.redundant_slots, m_tile=args.m_tile, plan_ring=args.plan_ring,
                           plan_timeout_ms=args.plan_timeout_ms, copy_rate_gbps=args.copy_rate_gbps, metrics_port=args.metrics_port, timeout_s=args.timeout_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"afore ffn-worker: {exc}", file=sys.stderr)
+        return 2
     run_and_exit(cfg)
     return 0  # not reached

@@ -279,6 +279,7 @@ class Launcher:
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
         self._admin = None  # afore.serve.admin.AdminServer once started
         self.output = ChildOutput(opts.verbose, opts.log_file)  # where the children's stdout/stderr go
+        self._shape = None  # shape(): computed once
         self.supervisor = SchedulerSupervisor()
         self._stopping = threading.Event()
         self._lock = threading.RLock()
@@ -335,6 +336,13 @@ class Launcher:
         self.start_admin()
 
     def shape(self):
+        """The pool's ClusterShape, computed once (after the model is read): the scheduler plans
+        for it and every FFN worker gets it in its config, so the two cannot disagree."""
+        if self._shape is None:
+            self._shape = self._compute_shape()
+        return self._shape
+
+    def _compute_shape(self):
         from afore.config import ClusterShape
 
         assert self.spec is not None
@@ -401,17 +409,25 @@ class Launcher:
         store_host = "127.0.0.1" if opts.role == "ffn" and opts.host in ("0.0.0.0", "::", "") else opts.host
         first_device = opts.attn_workers if opts.role == "all" else 0
         for w in range(opts.ffn_workers):
-            # --timeout-s bounds the FFN side's own waits (the rendezvous with a starting vLLM
+            # timeout_s bounds the FFN side's own waits (the rendezvous with a starting vLLM
             # included); a request's latency is bounded on the attention side (exchange_timeout_s)
-            cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--rank", str(w), "--num-ffn", str(opts.ffn_workers),
-                   "--num-attention", str(opts.attn_workers), "--model", self.model, "--host", store_host,
-                   "--port", str(self.store_port), "--device", self._worker_device(first_device + w),
-                   "--dtype", self.dtype, "--redundant-slots", str(opts.redundant_slots),
-                   "--copy-rate-gbps", str(opts.copy_rate_gbps), "--backend", self.backend,
-                   "--plan-ring", self.ring_name, "--timeout-s", str(max(opts.start_timeout_s, opts.exchange_timeout_s))]
+            cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--config-json",
+                   msgspec.json.encode(self.ffn_worker_config(w, store_host, first_device + w)).decode()]
             self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.child_env(),
                                                                 **self.output.popen_kwargs())))
         self._check_children("starting FFN workers")
+
+    def ffn_worker_config(self, rank: int, store_host: str, device_index: int):
+        """FFN worker ``rank``'s whole configuration (afore.ffn.worker.FFNWorkerConfig), passed as
+        msgspec JSON: the shape is the scheduler's (``shape()``), nothing is rebuilt from flags."""
+        from afore.ffn.worker import FFNWorkerConfig
+
+        opts, shape = self.opts, self.shape()
+        return FFNWorkerConfig(rank=rank, num_ffn=opts.ffn_workers, num_attention=opts.attn_workers, model=self.model,
+                               host=store_host, port=self.store_port, device=self._worker_device(device_index),
+                               dtype=self.dtype, backend=self.backend, redundant_slots=shape.redundant_slots,
+                               m_tile=shape.m_tile, copy_rate_gbps=opts.copy_rate_gbps, plan_ring=self.ring_name,
+                               timeout_s=max(opts.start_timeout_s, opts.exchange_timeout_s), shape=shape)
 
     def server_command(self) -> list[str]:
         opts = self.opts
