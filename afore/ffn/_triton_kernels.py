@@ -150,16 +150,23 @@ def down_weighted(act: torch.Tensor, sorted_pair: torch.Tensor, block_slot: torc
 
 
 @triton.jit
+def _expert_histogram(e, keep, EP: tl.constexpr):
+    """Counts per expert of the ids ``e`` where ``keep`` (others are counted in bin 0, then removed)."""
+    eo = tl.arange(0, EP)
+    dropped = tl.sum((~keep).to(tl.int32), 0)
+    return tl.histogram(tl.where(keep, e, 0), EP) - tl.where(eo == 0, dropped, 0)
+
+
+@triton.jit
 def _route_hist_kernel(ids_ptr, table_ptr, hist_ptr, E,
                        EP: tl.constexpr, CHUNK: tl.constexpr):
-    """hist[c, e]: pairs of expert e in chunk c (invalid ids and padding in bin E)."""
+    """hist[c, e]: valid pairs of expert e in chunk c."""
     pid = tl.program_id(0)
     n = tl.load(table_ptr + 3 * EP)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     m = offs < n
     e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-    e = tl.where(m & (e >= 0) & (e < E), e, E)
-    tl.store(hist_ptr + pid * EP + tl.arange(0, EP), tl.histogram(e, EP))
+    tl.store(hist_ptr + pid * EP + tl.arange(0, EP), _expert_histogram(e, m & (e >= 0) & (e < E), EP))
 
 
 @triton.jit
@@ -169,6 +176,7 @@ def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
                   HIST_FROM_TABLE: tl.constexpr, HIST_ROWS: tl.constexpr,
                   SCAN: tl.constexpr, BLOCK_T: tl.constexpr):
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     n = tl.load(table_ptr + 3 * EP)
     eo = tl.arange(0, EP)
     lo = tl.load(table_ptr + eo)
@@ -189,9 +197,9 @@ def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
             offs = s0 + tl.arange(0, SCAN)
             m = offs < n
             e = tl.load(ids_ptr + offs, mask=m, other=-1).to(tl.int32)
-            e = tl.where(m & (e >= 0) & (e < E), e, E)
-            total += tl.histogram(e, EP)
-            before += tl.histogram(tl.where(offs < chunk_start, e, E), EP)
+            keep = m & (e >= 0) & (e < E)
+            total += _expert_histogram(e, keep, EP)
+            before += _expert_histogram(e, keep & (offs < chunk_start), EP)
     my_count = tl.minimum(tl.maximum(total - lo, 0), hi - lo)
     padded = (my_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pend = tl.cumsum(padded, 0)
@@ -199,17 +207,17 @@ def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
     used = tl.sum(padded, 0) // BLOCK_M
     if pid == 0:
         tl.store(used_blocks_ptr, used)
-        for b0 in range(0, used, BLOCK_T):
-            b = b0 + tl.arange(0, BLOCK_T)
-            row = b * BLOCK_M
-            eb = tl.sum((pend[None, :] <= row[:, None]).to(tl.int32), 1)
-            hot = eb[:, None] == eo[None, :]
-            s_b = tl.sum(tl.where(hot, slot[None, :], 0), 1)
-            start_b = tl.sum(tl.where(hot, pstart[None, :], 0), 1)
-            cnt_b = tl.sum(tl.where(hot, my_count[None, :], 0), 1)
-            mb = b < used
-            tl.store(block_slot_ptr + b, s_b, mask=mb)
-            tl.store(block_rows_ptr + b, tl.minimum(cnt_b - (row - start_b), BLOCK_M), mask=mb)
+    for b0 in range(pid * BLOCK_T, used, programs * BLOCK_T):  # the block table, spread over the programs
+        b = b0 + tl.arange(0, BLOCK_T)
+        row = b * BLOCK_M
+        eb = tl.sum((pend[None, :] <= row[:, None]).to(tl.int32), 1)
+        hot = eb[:, None] == eo[None, :]
+        s_b = tl.sum(tl.where(hot, slot[None, :], 0), 1)
+        start_b = tl.sum(tl.where(hot, pstart[None, :], 0), 1)
+        cnt_b = tl.sum(tl.where(hot, my_count[None, :], 0), 1)
+        mb = b < used
+        tl.store(block_slot_ptr + b, s_b, mask=mb)
+        tl.store(block_rows_ptr + b, tl.minimum(cnt_b - (row - start_b), BLOCK_M), mask=mb)
     running = before
     bad = 0
     for s in range(0, CHUNK, SUB):
@@ -218,15 +226,15 @@ def _route_kernel(ids_ptr, table_ptr, hist_ptr, pair_pos_ptr, sorted_pair_ptr,
         e = tl.load(ids_ptr + offs, mask=m, other=0).to(tl.int32)
         valid = (e >= 0) & (e < E)
         bad += tl.sum((m & ~valid).to(tl.int32), 0)
-        e = tl.where(m & valid, e, E)
-        hot = (e[:, None] == eo[None, :]).to(tl.int32)
+        keep = m & valid
+        hot = ((e[:, None] == eo[None, :]) & keep[:, None]).to(tl.int32)
         incl = tl.cumsum(hot, 0)
         ordinal = tl.sum(hot * (incl - 1 + running[None, :]), 1)
         running += tl.sum(hot, 0)
         lo_e = tl.sum(hot * lo[None, :], 1)
         hi_e = tl.sum(hot * hi[None, :], 1)
         ps_e = tl.sum(hot * pstart[None, :], 1)
-        mine = m & valid & (ordinal >= lo_e) & (ordinal < hi_e)
+        mine = keep & (ordinal >= lo_e) & (ordinal < hi_e)
         pos = tl.where(mine, ps_e + ordinal - lo_e, -1)
         tl.store(pair_pos_ptr + offs, pos, mask=m)
         tl.store(sorted_pair_ptr + pos, offs, mask=mine)
@@ -336,7 +344,7 @@ SINGLE_LAUNCH_PAIRS = 8192
 
 def route_chunk(capacity: int) -> int:
     """Pairs per route program for a step of at most ``capacity`` pairs."""
-    return 128 if capacity <= SINGLE_LAUNCH_PAIRS else 1024
+    return 32 if capacity <= SINGLE_LAUNCH_PAIRS else 512
 
 
 def launch_route(ids: torch.Tensor, table: torch.Tensor, buffers, errors: torch.Tensor, num_experts: int,
@@ -354,7 +362,8 @@ def launch_route(ids: torch.Tensor, table: torch.Tensor, buffers, errors: torch.
                                  buffers.block_slot, buffers.block_rows, buffers.used_blocks, errors,
                                  num_experts, num_chunks, EP=ep, BLOCK_M=block_m, CHUNK=chunk, SUB=32,
                                  HIST_FROM_TABLE=from_table, HIST_ROWS=16,
-                                 SCAN=1024, BLOCK_T=32, num_warps=8)
+                                 SCAN=min(1024, max(16, triton.next_power_of_2(capacity))), BLOCK_T=32,
+                                 num_warps=4 if ep <= 128 else 8)
 
 
 def launch_experts(x: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, buffers,

@@ -8,14 +8,14 @@ host-to-device copy from pinned memory (``DevicePlan.upload``), which also carri
 count n of the step. The device table keeps its address, so a captured CUDA graph replays
 with whatever plan was uploaded last: a changed plan costs the same copy as an unchanged one.
 
-Table layout, int32[3 * EP + 1] (``EP = table_width(E)``, the next power of two above E):
+Table layout, int32[3 * EP + 1] (``EP = table_width(E)``, the smallest power of two >= max(E, 16)):
 
     [0, EP)        lo[e]     first ordinal of e that this worker runs
     [EP, 2EP)      hi[e]     one past the last (int32 max for e's primary owner: the remainder)
     [2EP, 3EP)     slot[e]   physical slot of e on this worker, -1 where it runs none of e
     [3EP]          n         pairs in the step (tokens * top_k)
 
-Entries e >= E are (0, 0, -1): ids outside [0, E) fall there and run nowhere.
+Entries e >= E are (0, 0, -1); ids outside [0, E) run nowhere (the step masks them).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ INT32_MAX = np.iinfo(np.int32).max
 
 
 def table_width(num_experts: int) -> int:
-    """EP: the next power of two above ``num_experts`` (room for the invalid-id bin E)."""
-    return 1 << int(num_experts).bit_length()
+    """EP: the smallest power of two >= max(``num_experts``, 16) (Triton block sizes)."""
+    return 1 << max(4, (int(num_experts) - 1).bit_length())
 
 
 def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -> np.ndarray:

@@ -189,6 +189,8 @@ DECODE_CONFIGS = (
     StepConfig(16, 32, 32, 128, 4, 4),
     StepConfig(32, 32, 64, 64, 4, 3),
     StepConfig(64, 64, 64, 64, 4, 3),
+    StepConfig(16, 16, 16, 256, 2, 4),
+    StepConfig(16, 16, 32, 128, 2, 4),
 )
 PREFILL_CONFIGS = (
     StepConfig(64, 128, 128, 64, 8, 3),
@@ -283,11 +285,11 @@ def _torch_step(x, topk_ids, topk_weights, table, w13, w2, errors, num_experts):
     flat = topk_ids.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
     errors.add_((~valid).sum().to(errors.dtype))
-    ids = torch.where(valid, flat, num_experts)
-    ordinals = pair_ordinals(ids, ep)
+    ordinals = pair_ordinals(torch.where(valid, flat, num_experts), num_experts + 1)  # bad ids: a bin of their own
+    ids = torch.where(valid, flat, 0)
     tbl = table.long()
     lo, hi, slot = tbl[:ep][ids], tbl[ep:2 * ep][ids], tbl[2 * ep:3 * ep][ids]
-    key = torch.where((ordinals >= lo) & (ordinals < hi), slot, num_slots)
+    key = torch.where(valid & (ordinals >= lo) & (ordinals < hi), slot, num_slots)
     order = torch.sort(key, stable=True).indices
     sorted_key = key[order]
     offs = torch.cumsum(bin_counts(key, num_slots + 1)[:num_slots], 0).to(torch.int32)

@@ -162,6 +162,18 @@ class StepGraphs:
         self.graphs[bucket] = graph
         self.inputs[bucket] = st
 
+    def input_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views (hidden [T, H], ids int32 [T, k], weights fp32 [T, k]) of the static buffers of
+        ``tokens``' bucket (captured now if needed): a transport that receives into them saves
+        the step its input copies."""
+        bucket = bucket_for(tokens, self.buckets)
+        if bucket is None:
+            raise ValueError(f"tokens: {tokens} exceed the largest captured bucket {self.max_tokens}")
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        st = self.inputs[bucket]
+        return st.hidden[:tokens], st.ids[:tokens], st.weights[:tokens]
+
     def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Copy the inputs into the bucket's buffers and replay (the device table must hold this
         step's plan and n = T*k already). Returns a new [T, H] tensor (the bucket's output
@@ -173,9 +185,10 @@ class StepGraphs:
         if bucket not in self.graphs:
             self.capture(bucket)
         st = self.inputs[bucket]
-        st.hidden[:t].copy_(hidden)
-        st.ids[:t].copy_(topk_ids)
-        st.weights[:t].copy_(topk_weights)
+        # inputs received straight into the bucket's buffers (``input_buffers``) need no copy
+        for dst, src in ((st.hidden, hidden), (st.ids, topk_ids), (st.weights, topk_weights)):
+            if src.data_ptr() != dst.data_ptr() or src.dtype != dst.dtype:
+                dst[:t].copy_(src)
         self.graphs[bucket].replay()
         self.replays += 1
         return st.out[:t].clone()

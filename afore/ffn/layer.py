@@ -99,6 +99,22 @@ class FFNLayer:
                 self.plan_table.upload(table, bucket * shape.top_k)
                 self.graphs.capture(bucket)
 
+    def input_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where a transport can receive a ``tokens``-token microbatch of this layer so that
+        ``forward`` skips its input copies: (hidden [T, H], ids int32 [T, k], weights fp32 [T, k])
+        views of the graph bucket's static buffers (shared by the layers of this worker: valid
+        until the next forward of any layer), or None without graphs or beyond the buckets."""
+        if self.graphs is None or tokens > self.graphs.max_tokens or tokens < 1:
+            return None
+        if self.graphs.inputs.get(self._bucket(tokens)) is None:
+            self.capture_graphs((self._bucket(tokens),))
+        return self.graphs.input_buffers(tokens)
+
+    def _bucket(self, tokens: int) -> int:
+        from afore.ffn.graphs import bucket_for
+
+        return bucket_for(tokens, self.graphs.buckets)
+
     def input_errors(self) -> int:
         """Pairs with an id outside [0, E) seen so far (reads the device counter: a host sync,
         so call it off the hot path, e.g. with the worker's periodic report)."""

@@ -81,7 +81,7 @@ def test_changed_plans_replay_the_same_graph_with_copies_on_the_side_stream():
     table = SlotTable.empty(SHAPE)
     pools = _pools(torch.float32, table, w13, w2)
     source = PoolSource(SHAPE, {(0, w): p for w, p in enumerate(pools)})
-    migrators = [Migrator(SHAPE, w, {0: p}, CudaCopyEngine("cuda", max_gbps=None), source) for w, p in enumerate(pools)]
+    migrators = [Migrator(SHAPE, w, {0: p}, CudaCopyEngine(torch.device("cuda", torch.cuda.current_device()), max_gbps=None), source) for w, p in enumerate(pools)]
     layers = [FFNLayer(p, tune=False) for p in pools]
     protected = np.zeros((SHAPE.num_workers, SHAPE.redundant_slots), bool)
     prev, copies = None, 0

@@ -245,8 +245,32 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
                 gemm = capture(lambda: kernels.launch_experts(st.hidden, st.weights.view(-1), pool.w13, pool.w2,
                                                               st.buffers, k, st.config), device)
                 row["gemm_ms"] = per_call_ms(gemm.replay, device, reps)
+                ep = graphed.plan_table.width
+                route = capture(lambda: kernels.launch_route(st.ids.view(-1), table, st.buffers, errs, e, ep,
+                                                             st.config.block_m), device)
+                row["route_ms"] = per_call_ms(route.replay, device, reps)
+                combine = capture(lambda: kernels.launch_combine(st.buffers, table, st.out, ep, k), device)
+                row["combine_ms"] = per_call_ms(combine.replay, device, reps)
+                hb, ib, wb = graphed.input_buffers(tokens)  # received in place: no input copies
+                hb.copy_(x)
+                ib.copy_(ids_d)
+                wb.copy_(w_d)
+                row["step_zero_copy_ms"] = per_call_ms(lambda: graphed(hb, ib, wb, plan), device, reps)
                 row.update(_plan_change_arms(graphed, pool, plan, shape, x, ids_d, w_d, engine, args, device, rng))
             else:
+                from afore.ffn import _triton_kernels as kernels
+                from afore.ffn.experts import StepBuffers
+
+                cfg0 = PREFILL_CONFIGS[0]
+                buf = StepBuffers(tokens * k, pool.num_slots, h, inter, e, dtype, device, cfg0.block_m)
+                ep = graphed.plan_table.width
+                row["route_ms"] = per_call_ms(lambda: kernels.launch_route(ids_d.view(-1), table, buf, errs, e, ep,
+                                                                           cfg0.block_m), device, reps)
+                row["gemm_ms"] = per_call_ms(lambda: kernels.launch_experts(x, w_d.view(-1), pool.w13, pool.w2, buf, k,
+                                                                            cfg0), device, reps)
+                out_buf = torch.empty_like(x)
+                row["combine_ms"] = per_call_ms(lambda: kernels.launch_combine(buf, table, out_buf, ep, k), device, reps)
+                del buf
                 for cfg in PREFILL_CONFIGS:
                     fn = lambda: routed_expert_step(x, ids_d, w_d, table, pool.w13, pool.w2, errs, e, "triton", cfg)  # noqa: E731
                     try:
@@ -286,13 +310,12 @@ def _plan_change_arms(layer, pool, plan, shape, x, ids, weights, engine, args, d
 
     changed_ms = per_call_ms(changed, device, reps)
     out = {"same_plan_ms": same, "changed_plan_ms": changed_ms}
-    p0 = pool.num_primaries
-
     def job(p):  # one expert into the first replica's new slot (the copy a plan change brings)
         if not len(p.copies):
             return []
         ex, _, _, s = (int(v) for v in p.copies[0])
-        src = int(ex - pool.primary_start) if 0 <= ex - pool.primary_start < p0 else 0
+        primaries = pool.primary_experts()
+        src = primaries.index(ex) if ex in primaries else 0  # same bytes moved either way
         return [CopyJob(pool.w13[s], pool.w2[s], pool.w13[src], pool.w2[src])]
 
     jobs = [job(p) for p in plans]
@@ -393,21 +416,24 @@ def _markdown(data: dict) -> str:
                   "Decode (CUDA graphs). `step`: FFNLayer.forward as the worker calls it; `replay`: the graph alone; "
                   "`gemm`: the two expert kernels alone (graph); `eager`: same kernels without graphs; vLLM: "
                   "fused_experts on the same pairs (graph / eager).", ""]
-        headers = ["pairs", "active", "floor ms", "step ms", "step/floor", "replay ms", "gemm ms", "step/gemm",
+        headers = ["pairs", "active", "floor ms", "step ms", "step/floor", "step in-place ms", "replay ms", "route ms",
+                   "gemm ms", "combine ms", "step/gemm",
                    "eager ms", "vllm graph ms", "vllm tuned graph ms", "vllm eager ms", "same plan ms",
                    "changed ms", "changed+copy ms", "graph==eager", "rel err"]
         rows = [[r["pairs"], r["active_slots"], r.get("floor_ms"), r.get("step_ms"), _ratio(r.get("step_ms"), r.get("floor_ms")),
-                 r.get("replay_ms"), r.get("gemm_ms"), _ratio(r.get("step_ms"), r.get("gemm_ms")), r.get("eager_ms"),
+                 r.get("step_zero_copy_ms"), r.get("replay_ms"), r.get("route_ms"), r.get("gemm_ms"), r.get("combine_ms"),
+                 _ratio(r.get("step_ms"), r.get("gemm_ms")), r.get("eager_ms"),
                  r.get("vllm_graph_ms"), r.get("vllm_tuned_graph_ms"), r.get("vllm_eager_ms"), r.get("same_plan_ms"),
                  r.get("changed_plan_ms"), r.get("changed_plan_with_copy_ms"), r.get("graph_equals_eager"),
                  r.get("rel_error_vs_fp32")] for r in m["decode"]]
         lines += [markdown_table(headers, rows), ""]
         if m["prefill"]:
             lines += ["Prefill (eager launches). Floor = max(HBM, tensor core).", "",
-                      markdown_table(["pairs", "tc floor ms", "hbm floor ms", "step ms", "step/floor", "torch _grouped_mm ms",
-                                      "vllm ms", "vllm tuned ms", "rel err"],
+                      markdown_table(["pairs", "tc floor ms", "hbm floor ms", "step ms", "step/floor", "route ms", "gemm ms",
+                                      "combine ms", "torch _grouped_mm ms", "vllm ms", "vllm tuned ms", "rel err"],
                                      [[r["pairs"], r.get("tc_floor_ms"), r.get("hbm_floor_ms"), r.get("step_ms"),
-                                       _ratio(r.get("step_ms"), r.get("floor_ms")), r.get("torch_grouped_mm_ms"),
+                                       _ratio(r.get("step_ms"), r.get("floor_ms")), r.get("route_ms"), r.get("gemm_ms"),
+                                       r.get("combine_ms"), r.get("torch_grouped_mm_ms"),
                                        r.get("vllm_eager_ms"), r.get("vllm_tuned_eager_ms"), r.get("rel_error_vs_fp32")]
                                       for r in m["prefill"]]), ""]
         errors = sorted({v for r in m["decode"] + m["prefill"] for key, v in r.items() if key.endswith("_error")})
@@ -449,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
         print("--device cuda: no CUDA device", file=sys.stderr)
         return 2
     gpu = device.type == "cuda"
+    if gpu:
+        device = torch.device("cuda", torch.cuda.current_device())  # the copy engine needs the index
     if gpu and not triton_available():
         print("triton is not importable: the GPU step needs it", file=sys.stderr)
         return 2
