@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ab": ("afore.bench.ab", "A/B of every placement policy on one trace: simulated AFD pipeline calibrated by GPU measurements"),
     "affinity": ("afore.bench.affinity", "co-clustered primaries under afore (fan-out, bytes, tile load) and token-cost request routing (TTFT/TPOT)"),
     "dataplane": ("afore.bench.dataplane", "data-plane parts (--part ffn: the FFN step against its floors and vLLM's fused_moe)"),
+    "faults": ("afore.bench.faults", "serving while the scheduler is killed, hung or dead: ITL against static, outage, /health"),
 }
 
 
