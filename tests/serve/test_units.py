@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import msgspec
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -16,6 +17,7 @@ from afore.routing import count_demand
 from afore.attention.role import AttentionRoleConfig, load_from_env
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.ffn.layer import FFNLayer
+from afore.ffn.worker import FFNWorkerConfig
 from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator
 from afore.migrator.slot_pool import SlotPool
@@ -260,13 +262,14 @@ def test_split_roles_are_checked_before_anything_starts():
     with pytest.raises(ValueError, match="copy_rate_gbps"):
         ServeOptions(copy_rate_gbps=float("nan"))
     info, _ = read_serving_spec(tiny("qwen3_moe"))
-    # each role counts only the workers of its own node
-    check_shape(ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, attn_workers=4, ffn_workers=2), info, devices=2)
-    check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=2, ffn_workers=8), info, devices=2)
+    # each role counts only the workers of its own node (GPUs: on CPU the workers share the cores)
+    gpu = {"device": "cuda"}
+    check_shape(ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, attn_workers=4, ffn_workers=2, **gpu), info, devices=2)
+    check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=2, ffn_workers=8, **gpu), info, devices=2)
     with pytest.raises(ValueError, match="ffn_workers: 3 workers"):
-        check_shape(ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, attn_workers=1, ffn_workers=3), info, devices=2)
+        check_shape(ServeOptions(role="ffn", host="0.0.0.0", store_port=29600, attn_workers=1, ffn_workers=3, **gpu), info, devices=2)
     with pytest.raises(ValueError, match="attn_workers: 3 workers"):
-        check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=3), info, devices=2)
+        check_shape(ServeOptions(role="attention", ffn_host="h", store_port=29600, attn_workers=3, **gpu), info, devices=2)
 
 
 def test_split_role_without_a_token_exits_2_naming_the_variable():
@@ -314,7 +317,9 @@ def test_gpu_ffn_workers_see_every_gpu_and_take_one_each(monkeypatch):
                             attn_workers=a, ffn_workers=f, device="cuda")
         launcher = launcher_mod.Launcher(opts)
         launcher.spec, launcher.model = read_serving_spec(tiny("qwen3_moe"))[0], "m"
+        launcher.dtype, launcher.backend = "bfloat16", "nccl"
         launcher.start_ffn_workers()
-        devices = [cmd[cmd.index("--device") + 1] for cmd, _ in started]
+        configs = [msgspec.json.decode(cmd[cmd.index("--config-json") + 1], type=FFNWorkerConfig) for cmd, _ in started]
+        devices = [c.device for c in configs]
         assert devices == [f"cuda:{(first + w) % 4}" for w in range(f)], (role, devices)
         assert all(env is None or "CUDA_VISIBLE_DEVICES" not in env for _, env in started)
