@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("afore.scheduler.plan_cli", "plan one target from a demand and a state (JSON/NPZ) and write the plan as JSON"),
     "trace": ("afore.traces.cli", "convert, generate and inspect routing traces"),
     "status": ("afore.scheduler.status_cli", "show the control plane's segments and metrics"),
+    "calibrate": ("afore.scheduler.calibrate_cli", "write the cost-model calibration of an expert shape on a device (from a migration report or measured here)"),
     "profile": ("afore.affinity.cli", "profile expert affinity (co-activation per layer) and co-cluster primaries"),
     "route": ("afore.serve.router_proxy", "HTTP front of afore serve that routes requests to attention engines by token cost"),
 }

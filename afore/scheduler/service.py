@@ -30,6 +30,7 @@ from afore.scheduler.metrics import SchedulerMetrics
 from afore.plan import Target
 from afore.scheduler.policies import Observation, make_policy
 from afore.scheduler.plan_ring import PlanRing, PublishTimeout
+from afore.scheduler.window_feedback import WindowFeedback, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,13 @@ class SchedulerService:
             self.mailbox.close()
             raise
         self.metrics = SchedulerMetrics(c.mailbox, c.ring, policy=c.policy, shape=c.shape)
+        # The FFN workers' measured lookahead windows (window_feedback): planned with online.
+        try:
+            self.window = WindowFeedback(segment_name(c.ring), c.shape.num_workers)
+        except BaseException:
+            self.ring.close()
+            self.mailbox.close()
+            raise
         self.metrics_port: int | None = None
         self.receiver: DemandReceiver | None = None
         self._receiver_mailbox: DemandMailbox | None = None
@@ -174,6 +182,7 @@ class SchedulerService:
         if self._receiver_mailbox is not None:
             self._receiver_mailbox.close()
         self.metrics.shutdown()
+        self.window.close()
         self.ring.close()
         self.mailbox.close()
 
@@ -187,6 +196,7 @@ class SchedulerService:
         self._record_copy_latency()
         if got is None:
             return 0
+        self._follow_measured_window()
         t0 = time.perf_counter()
         try:
             plan = self.policy.plan(Observation(got.target, got.seq, got.demand))
@@ -212,6 +222,17 @@ class SchedulerService:
         self.metrics.observe_plan(plan)
         self.published += 1
         return 1
+
+    def _follow_measured_window(self) -> None:
+        """Plan with the FFN workers' measured window W_t once they report one (it moves by more
+        than 1%: a new CostModel; logged when it moves by more than 20%)."""
+        window = self.window.window_ms()
+        cost = getattr(self.policy, "cost", None)
+        if window is None or not isinstance(cost, CostModel) or abs(window - cost.window_ms) <= 0.01 * cost.window_ms:
+            return
+        if abs(window - cost.window_ms) > 0.2 * cost.window_ms:
+            log.info("lookahead window measured by the FFN workers: %.3f ms (was %.3f ms)", window, cost.window_ms)
+        self.policy.cost = msgspec.structs.replace(cost, window_ms=window)
 
     def _count_misses(self) -> None:
         for missed in self.mailbox.take_missed():

@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-budget", type=int, default=SchedulerParams().copy_budget)
     parser.add_argument("--no-chains", action="store_true",
                         help="plan with the paper's Algorithm 1 alone (no ejection chains)")
+    parser.add_argument("--calibration", default="",
+                        help="calibration file of the cost model (afore calibrate); default: looked up by --expert and --device")
+    parser.add_argument("--expert", default="", help="expert shape for the calibration lookup: HIDDEN,INTERMEDIATE[,DTYPE]")
+    parser.add_argument("--device", default="", help="device name for the calibration lookup, e.g. 'NVIDIA H200' or cpu")
     parser.add_argument("--config-json", help="a whole ServiceConfig as JSON (what afore serve passes)")
 
 
@@ -65,12 +69,28 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
             raise ValueError(f"config_json: {exc}") from None
     if not args.shape:
         raise ValueError("shape: expected --shape E=..,F=.. (or --config-json)")
+    shape = parse_shape(args.shape)
     return ServiceConfig(
-        shape=parse_shape(args.shape), policy=args.policy, mailbox=args.mailbox, ring=args.ring,
+        shape=shape, policy=args.policy, mailbox=args.mailbox, ring=args.ring,
         num_producers=args.attn_workers, num_microbatches=args.microbatches, deadline_ms=args.deadline_ms,
         liveness_timeout_s=args.liveness_timeout, pid_check=not args.no_pid_check, spin_us=args.spin_us, listen=args.listen, token=args.token,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, writer_timeout_s=args.writer_timeout, params=SchedulerParams(theta=args.theta, copy_budget=args.copy_budget, chains=not args.no_chains),
-        cost=CostModel())
+        cost=cost_from_args(args, shape.m_tile))
+
+
+def cost_from_args(args: argparse.Namespace, m_tile: int) -> CostModel:
+    """The cost model of --calibration, else of the calibration of --expert on --device, else the
+    defaults (logged)."""
+    from afore.scheduler.calibration import ExpertShape, resolve_cost_model
+
+    expert = None
+    if args.expert:
+        parts = args.expert.split(",")
+        try:
+            expert = ExpertShape(int(parts[0]), int(parts[1]), *(parts[2:3] or ["bfloat16"]), m_tile=m_tile)
+        except (ValueError, IndexError):
+            raise ValueError(f"expert: expected HIDDEN,INTERMEDIATE[,DTYPE], got {args.expert!r}") from None
+    return resolve_cost_model(args.calibration or None, args.device or None, expert)[0]
 
 
 def run(args: argparse.Namespace) -> int:
