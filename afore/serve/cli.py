@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
+    parser.add_argument("--calibration", default="", metavar="PATH",
+                        help="cost-model calibration (afore calibrate); default: looked up by expert shape and device")
     parser.add_argument("--role", default="all", choices=ROLES,
                         help="all: everything on this node; ffn / attention: the two halves on two nodes "
                              "(the FFN node first; both need $AFORE_DEMAND_TOKEN, the same checkpoint and the same A, F)")
@@ -81,7 +83,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
                         colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, dtype=args.dtype,
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
-                        vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file)
+                        vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
+                        calibration=args.calibration)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -90,6 +90,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_timeout_s: float = 600.0
     exchange_timeout_s: float = 60.0
     vllm_args: list[str] = []
+    calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
 
     def __post_init__(self) -> None:
         if self.attn_workers < 1:
@@ -352,6 +353,7 @@ class Launcher:
 
     def start_scheduler(self, policy: str) -> None:
         from afore.config import SchedulerParams
+        from afore.scheduler.calibration import serving_cost_model
         from afore.scheduler.service import ServiceConfig, start_scheduler_process
 
         # role ffn: the attention workers are on another node and send demand to a receiver here
@@ -359,6 +361,8 @@ class Launcher:
         cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
                             params=SchedulerParams(copy_budget=self.opts.copy_budget),
+                            cost=serving_cost_model(self.opts.calibration, self.opts.device, self.spec.hidden_size,
+                                                    self.spec.moe_intermediate_size, self.dtype, self.shape().m_tile),
                             listen=listen)  # token: from the environment
         proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent, env=self.child_env(), **self.output.popen_kwargs())
         self.scheduler = Child("scheduler", proc)
