@@ -85,8 +85,11 @@ class SchedulerSupervisor:
         """One supervision step: restart a dead scheduler if the budget allows (blocks while it
         starts, about a second; the FFN workers run primary-only meanwhile)."""
         child = launcher.scheduler
-        if child is None or self.scheduler.state == "failed":
+        if child is None:
             return
+        if self.scheduler.state == "failed":  # started again by a policy switch: a fresh budget
+            self.scheduler.state, self.scheduler.error = "running", ""
+            self._recent.clear()
         code = child.proc.poll()
         if code is None:
             return

@@ -111,6 +111,9 @@ def test_a_scheduler_that_keeps_dying_is_left_down_and_reported_failed(launcher)
     assert "3 times" in body["scheduler"]["error"]
     fake.supervisor.poll(fake)  # stays down: no further starts
     assert len(fake.starts) == 3
+    fake.start_scheduler("static")  # a policy switch starts one again: running, with a fresh budget
+    fake.supervisor.poll(fake)
+    assert fake.health()[0] == 200 and fake.supervisor.scheduler.state == "running"
 
 
 def test_a_restart_that_fails_is_reported_not_raised(launcher):
