@@ -496,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
         url = servers.get(policy, url)
         try:
             if servers:
-                pass  # measured as it runs
+                wait_ready(url, 10.0)  # measured as it runs; an unreachable one is recorded, the others still run
             elif args.launch:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 print(f"afore bench serve: starting server for {policy} (log: {log_path})", file=sys.stderr)

@@ -226,3 +226,10 @@ def test_running_servers_are_measured_side_by_side_without_a_policy_switch(fake_
     assert report["settings"]["layer_breakdown"] is None  # not measured yet (the data plane's stage timers)
     with pytest.raises(ValueError, match="servers"):
         serve.parse_servers("vllm=localhost:8000")
+    # a server that is down is recorded as not measured; the others' runs are kept
+    gone = f"http://127.0.0.1:{_free_port()}"
+    args = _args(plain, tmp_path, data, servers=f"vllm={plain},gone={gone}", num_prompts=6, concurrency=2,
+                 warmup=0, max_tokens=4, name="down")
+    assert serve.run(args) == 1
+    report = json.loads((tmp_path / "out" / "down.json").read_text())
+    assert report["runs"]["vllm"]["completed"] == 6 and "error" in report["runs"]["gone"]
