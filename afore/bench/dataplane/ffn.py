@@ -17,8 +17,9 @@ K_w = E/F + R slots filled with random weights. Each load is a routing of T toke
   local slots through an expert map), eager and as a CUDA graph, with vLLM's own config choice
   and, where vLLM ships one, its tuned H200 config for the full layer (E, I);
 - plan changes: steps cycling through plans that bind the replicas to other slots, against
-  the same plan every step; and the same with one expert copied per step on the copy
-  engine's side stream, submitted a step ahead and committed by an event, as the migrator does;
+  the same plan every step; and the same with one expert copied per step (full rate) on the
+  copy engine's side stream, submitted a step ahead and committed by an event, as the
+  migrator does (a step shorter than the copy waits for it: that arm is copy-bound there);
 - correctness: graph replay vs eager step (bit-exact), and both vs the step in fp32.
 
 On a CPU it runs tiny shapes through the torch step (no graphs, floors or vLLM) so that the
@@ -197,11 +198,11 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
     eager = FFNLayer(pool, graphs=False) if gpu else None
     bytes_per_expert = 3 * h * inter * pool.storage.element_size()
     rows, prefill_rows, sweep = [], [], []
-    w13f = pool.w13.float() if gpu else None
-    w2f = pool.w2.float() if gpu else None
-    from afore.migrator.copy_engine import CopyJob, make_copy_engine
+    from afore.migrator.copy_engine import make_copy_engine
 
-    engine = make_copy_engine(device, threaded=False)
+    # full rate: one expert copied per step must fit inside a decode step (the paced default
+    # stretches a copy over the attention window, which this loop does not have)
+    engine = make_copy_engine(device, threaded=False, max_gbps=None)
     owner = torch.as_tensor(shape.primary_owner, device=device)
     for load in tqdm(decode + prefill, desc=name, file=sys.stdout):
         is_prefill = load in prefill and load not in decode
@@ -233,7 +234,8 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
             row["graph_equals_eager"] = bool(torch.equal(out, out_e)) if not is_prefill else None
             errs = torch.zeros(1, dtype=torch.int32, device=device)
             table = graphed.plan_table.upload(graphed.plan_table.stage(plan), tokens * k)
-            ref = routed_expert_step(x.float(), ids_d, w_d, table, w13f, w2f, errs, e, "triton")
+            # fp32 copies of the pool as it is now (the copy arms of earlier loads rewrote slots)
+            ref = routed_expert_step(x.float(), ids_d, w_d, table, pool.w13.float(), pool.w2.float(), errs, e, "triton")
             row["rel_error_vs_fp32"] = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
             if not is_prefill:
                 bucket = min(b for b in buckets if b >= tokens)
@@ -453,7 +455,7 @@ def _figure(data: dict):
     models = list(data["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, name in zip(axes[0], models):
-        rows = data["models"][name]["decode"] + data["models"][name]["prefill"]
+        rows = sorted(data["models"][name]["decode"] + data["models"][name]["prefill"], key=lambda r: r["pairs"])
         pairs = [r["pairs"] for r in rows]
         for key, label in (("floor_ms", "floor"), ("step_ms", "afore step"), ("gemm_ms", "grouped GEMM alone"),
                            ("vllm_graph_ms", "vLLM fused_moe (graph)"), ("vllm_eager_ms", "vLLM fused_moe (eager)")):
