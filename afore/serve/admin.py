@@ -117,6 +117,15 @@ def build_app(launcher: Controlled) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="afore admin", summary="status and placement policy of a running afore serve")
     errors: dict[int | str, dict[str, Any]] = {400: {"model": AdminError}, 500: {"model": AdminError}}
 
+    @app.middleware("http")
+    async def _bodies_are_json(request: fastapi.Request, call_next):
+        # `curl -d '{"policy": ...}'` sends application/x-www-form-urlencoded; the admin's bodies
+        # are JSON whatever the header says (as the http.server handler it replaced read them)
+        if request.method == "POST":
+            request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"] + \
+                [(b"content-type", b"application/json")]
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: fastapi.Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc)

@@ -94,6 +94,14 @@ def test_bad_request_is_400_naming_the_field_and_changes_nothing(admin, body, fi
     assert launcher.switches == [] and call(port, "GET", "/afore/status")[1]["policy"] == "afore"
 
 
+def test_a_json_body_without_a_json_content_type_is_read(admin):
+    launcher = FakeLauncher()
+    port = admin(launcher)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/afore/policy", data=b'{"policy": "lina"}', method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:  # urllib's default: application/x-www-form-urlencoded, as curl -d
+        assert r.status == 200 and json.loads(r.read())["policy"] == "lina"
+
+
 def test_unknown_policy_error_lists_every_registered_policy(admin):
     code, out = call(admin(FakeLauncher()), "POST", "/afore/policy", b'{"policy": "x"}')
     assert code == 400 and all(name in out["error"] for name in POLICY_NAMES)
