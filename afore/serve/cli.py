@@ -8,7 +8,7 @@ import sys
 
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.scheduler.policies import POLICY_NAMES
-from afore.serve.launcher import ROLES, TRANSPORTS, ServeOptions, serve
+from afore.serve.launcher import PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
+    parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
+                        help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "
+                             "expert affinity from --primaries-file (Sem-MoE placement; docs/affinity.md)")
+    parser.add_argument("--primaries-file", default="", metavar="PATH",
+                        help="--primaries affinity: layout JSON (afore profile affinity --workers F --layout-out) or affinity profile .npz")
     parser.add_argument("--copy-budget", type=int, default=8, help="expert copies per target at most (B)")
     parser.add_argument("--calibration", default="", metavar="PATH",
                         help="cost-model calibration (afore calibrate); default: looked up by expert shape and device")
@@ -84,7 +89,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, dtype=args.dtype,
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
-                        calibration=args.calibration)
+                        calibration=args.calibration, primaries=args.primaries, primaries_file=args.primaries_file)
 
 
 def run(args: argparse.Namespace) -> int:

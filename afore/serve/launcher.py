@@ -60,6 +60,9 @@ ROLES = ("all", "ffn", "attention")
 # tensors staged through the host: workers sharing a GPU, which NCCL cannot hold); auto = gloo
 # on CPU and where workers share a GPU, NCCL otherwise.
 TRANSPORTS = ("auto", "torch-nccl", "torch-gloo")
+# Primary layouts: contiguous blocks (ClusterShape's default) or co-clustered by expert affinity
+# (afore.affinity; the scheduler and every FFN worker use the same ClusterShape.primaries).
+PRIMARY_LAYOUTS = ("contiguous", "affinity")
 
 
 class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -91,8 +94,15 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exchange_timeout_s: float = 60.0
     vllm_args: list[str] = []
     calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
+    primaries: str = "contiguous"   # PRIMARY_LAYOUTS: contiguous blocks, or co-clustered from primaries_file
+    primaries_file: str = ""        # layout JSON (afore profile affinity --layout-out) or affinity profile (.npz)
 
     def __post_init__(self) -> None:
+        if self.primaries not in PRIMARY_LAYOUTS:
+            raise ValueError(f"primaries: expected one of {', '.join(PRIMARY_LAYOUTS)}, got {self.primaries!r}")
+        if self.primaries == "affinity" and not self.primaries_file:
+            raise ValueError("primaries_file: --primaries affinity needs --primaries-file (a layout JSON from "
+                             "afore profile affinity --layout-out, or an affinity profile .npz)")
         if self.attn_workers < 1:
             raise ValueError(f"attn_workers: expected >= 1, got {self.attn_workers}")
         if self.ffn_workers < 1:
@@ -347,9 +357,14 @@ class Launcher:
         from afore.config import ClusterShape
 
         assert self.spec is not None
+        primaries: tuple[int, ...] = ()
+        if self.opts.primaries == "affinity":
+            from afore.affinity.layout import load_primary_layout
+
+            primaries = load_primary_layout(self.opts.primaries_file, self.spec.num_experts, self.opts.ffn_workers)
         return ClusterShape(num_experts=self.spec.num_experts, num_workers=self.opts.ffn_workers,
                             num_layers=len(self.spec.moe_layer_indices), redundant_slots=self.opts.redundant_slots,
-                            top_k=self.spec.top_k)
+                            top_k=self.spec.top_k, primaries=primaries)
 
     def start_scheduler(self, policy: str) -> None:
         from afore.config import SchedulerParams
