@@ -37,14 +37,25 @@ def test_layout_json_and_profile(tmp_path):
         load_primary_layout(profile, 8, 4)
 
 
-def test_serve_option_validation(monkeypatch):
+def test_serve_option_validation():
     assert ServeOptions().primaries == "contiguous"
     with pytest.raises(ValueError, match="primaries: expected one of contiguous, affinity"):
         ServeOptions(primaries="random")
     with pytest.raises(ValueError, match="primaries_file: --primaries affinity needs --primaries-file"):
         ServeOptions(primaries="affinity")
-    monkeypatch.setattr(launcher, "ffn_workers_take_layout", lambda: False)
-    with pytest.raises(ValueError, match="FFNWorkerConfig.primaries"):
-        ServeOptions(primaries="affinity", primaries_file="x.json")
-    monkeypatch.setattr(launcher, "ffn_workers_take_layout", lambda: True)
     assert ServeOptions(primaries="affinity", primaries_file="x.json").primaries_file == "x.json"
+
+
+def test_the_layout_reaches_the_ffn_workers_in_their_shape(tmp_path):
+    """The launcher's one ClusterShape (scheduler and FFN workers alike) carries the layout."""
+    from afore.ffn.worker import FFNWorkerConfig
+
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps({"primaries": [1, 0, 1, 0, 0, 1, 0, 1], "num_workers": 2}))
+    opts = ServeOptions(primaries="affinity", primaries_file=str(path), ffn_workers=2)
+    fake = launcher.Launcher.__new__(launcher.Launcher)
+    fake.opts, fake._shape = opts, None
+    fake.spec = type("Spec", (), {"num_experts": 8, "moe_layer_indices": [0, 1], "top_k": 2})()
+    shape = fake.shape()
+    assert shape.primaries == (1, 0, 1, 0, 0, 1, 0, 1)
+    assert "shape" in FFNWorkerConfig.__struct_fields__
