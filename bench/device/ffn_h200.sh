@@ -13,7 +13,7 @@ cp .devcarry/vllm-bundle/piece-* /tmp/w/ 2>/dev/null
 if [ ! -d /tmp/site/vllm ] && [ -f .devcarry/vllm-bundle/unpack.sh ]; then
   bash .devcarry/vllm-bundle/unpack.sh /tmp/w || echo "vLLM bundle not unpacked: bench runs without vLLM"
 fi
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/ffn/test_step_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
