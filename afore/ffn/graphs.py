@@ -156,7 +156,10 @@ class StepGraphs:
         if device not in _POOLS:
             _POOLS[device] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=_POOLS[device]):
+        # thread_local: the worker's transport thread keeps receiving (and copying) while a bucket
+        # is captured on first use; in the default global mode any of its CUDA calls would
+        # invalidate the capture ("operation failed due to a previous error during capture")
+        with torch.cuda.graph(graph, pool=_POOLS[device], capture_error_mode="thread_local"):
             step()
         torch.cuda.synchronize(device)
         self.graphs[bucket] = graph
