@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterable
 
 import torch
@@ -33,6 +34,7 @@ import torch
 from afore.attention import role as role_
 from afore.attention import vllm_compat
 from afore.attention.demand import DemandEmitter
+from afore.attention.stages import StageClock
 from afore.plan import Target
 
 log = logging.getLogger("afore.attention")
@@ -50,6 +52,7 @@ class ForwardCounter:
         if not 0 <= self.worker < cfg.attn_workers:
             raise ValueError(f"data_parallel_rank: expected in [0, {cfg.attn_workers}) (attn_workers), got {self.worker}")
         self._link: TorchLink | None = None
+        self.clock = StageClock(self.worker)
         self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker, cfg.demand,
                                     os.environ.get(role_.DEMAND_TOKEN_ENV, "") if cfg.demand else "")
 
@@ -84,13 +87,18 @@ class TorchLink:
         self.dtype = dtype
         self._pending: dict[int, object] = {}
 
-    def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> None:
+    def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> int:
+        """Post one target to every FFN worker; returns the bytes sent (A2F, dense: F copies)."""
         target = Target(step, layer, microbatch)
-        self._pending[seq] = self.conn.send(target, seq, hidden.to(self.dtype), topk_ids.to(torch.int32),
-                                            topk_weights.to(torch.float32))
+        hidden = hidden.to(self.dtype)
+        self._pending[seq] = self.conn.send(target, seq, hidden, topk_ids.to(torch.int32), topk_weights.to(torch.float32))
+        n, k = topk_ids.shape
+        return self.conn.cfg.num_ffn * n * (hidden.shape[1] * hidden.element_size() + k * 8)
 
-    def recv(self, seq, num_tokens, hidden, dtype) -> torch.Tensor:
-        return self.conn.recv(self._pending.pop(seq))
+    def recv(self, seq, num_tokens, hidden, dtype) -> tuple[torch.Tensor, int]:
+        """The combined output of one target and the bytes received (F2A)."""
+        out = self.conn.recv(self._pending.pop(seq))
+        return out, out.numel() * out.element_size()
 
     def close(self) -> None:
         self.conn.close()
@@ -109,12 +117,18 @@ class ShmLink:
         self.end = ShmAttentionEnd(cfg.shm_segment, layout, worker, device, timeout_s=cfg.exchange_timeout_s)
         self._pending: dict[int, object] = {}
 
-    def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> None:
+    def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> int:
+        """Post one target; returns the bytes written (A2F)."""
+        before = self.end.bytes_sent
         # the copies into the shared slot convert ids to int32 and weights to fp32
         self._pending[seq] = self.end.send(Target(step, layer, microbatch), seq, hidden, topk_ids, topk_weights)
+        return self.end.bytes_sent - before
 
-    def recv(self, seq, num_tokens, hidden, dtype) -> torch.Tensor:
-        return self.end.recv(self._pending.pop(seq))
+    def recv(self, seq, num_tokens, hidden, dtype) -> tuple[torch.Tensor, int]:
+        """The combined output of one target and the bytes read (F2A)."""
+        before = self.end.bytes_received
+        out = self.end.recv(self._pending.pop(seq))
+        return out, self.end.bytes_received - before
 
     def close(self) -> None:
         self.end.close()
@@ -213,19 +227,30 @@ class RemoteRoutedExperts(_RoutedExperts):
         cfg = state.cfg
         if self.moe_position == 0:
             state.step += 1
+        clock = state.clock
+        enter = time.perf_counter_ns()
         n = x.shape[0]
         bounds = [n * m // cfg.microbatches for m in range(cfg.microbatches + 1)]
         link = state.link
+        stamps = []
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             ids = topk_ids[lo:hi]
             seq = state.seq(self.moe_position, m)
             state.demand.emit(state.step, self.moe_position, m, seq, ids)
-            link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
+            demand = time.perf_counter_ns()
+            a2f = link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
+            stamps.append((demand, time.perf_counter_ns(), a2f))
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
-            part = link.recv(state.seq(self.moe_position, m), hi - lo, x.shape[1], x.dtype)
+            start = time.perf_counter_ns()
+            part, f2a = link.recv(state.seq(self.moe_position, m), hi - lo, x.shape[1], x.dtype)
             out[lo:hi] = part.to(device=x.device, dtype=x.dtype)
+            done = time.perf_counter_ns()
+            demand, sent, a2f = stamps[m]
+            clock.record((state.step, self.moe_position, m, hi - lo, clock.prev_exit_ns, enter, demand, sent, start, done,
+                          a2f, f2a))
+        clock.prev_exit_ns = time.perf_counter_ns()
 
 
 REMOTE_EXPERTS_OP = "afore::remote_experts"

@@ -52,6 +52,9 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
                                   # another node; token in $AFORE_DEMAND_TOKEN); "" = mailbox
     store_master: bool = True     # attention worker 0 hosts the store; False: the FFN node does
     exchange_timeout_s: float = 60.0
+    shm_segment: str = ""         # the shm transport's segment (afore.transport.shm); "" = torch.distributed
+    max_tokens: int = 0           # shm: tokens per target the segment holds (vLLM's max_num_batched_tokens)
+    depth: int = 2                # shm: targets in flight per attention worker (>= microbatches)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -82,6 +85,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError("mailbox, demand: expected one demand path, got both")
         if self.demand:
             split_address(self.demand, "demand")
+        if self.shm_segment and self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1 with shm_segment, got {self.max_tokens}")
+        if self.shm_segment and self.depth < self.microbatches:
+            raise ValueError(f"depth: expected >= microbatches={self.microbatches} (every microbatch of a layer is in flight), got {self.depth}")
         if self.exchange_timeout_s <= 0:
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
 

@@ -45,7 +45,9 @@ from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
 from afore.plan import Plan, primary_only_plan
-from afore.transport.connector import FFNConnector, Microbatch, TransportConfig
+from afore.ffn.partition import worker_mask
+from afore.transport.base import Microbatch, ReplyRows
+from afore.transport.connector import FFNConnector, TransportConfig
 
 log = logging.getLogger("afore.ffn.worker")
 
@@ -77,6 +79,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     copy_rate_gbps: float = DEFAULT_COPY_RATE_GBPS  # GPU copy pull rate cap while experts compute; 0 = full rate
     timeout_s: float = 300.0          # transport timeout
     depth: int = 2                    # targets queued ahead at the transport (>= 2)
+    shm_segment: str = ""             # the shm transport's segment (afore.transport.shm); "" = torch.distributed
+    max_tokens: int = 0               # shm: tokens per target and attention worker the segment holds
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ffn:
@@ -93,6 +97,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
         if self.depth < 2:
             raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
+        if self.shm_segment and self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1 with shm_segment, got {self.max_tokens}")
 
 
 def check_shape_fits(shape: ClusterShape, spec, num_ffn: int) -> None:
@@ -145,23 +151,46 @@ class FFNWorker:
             wait_for_segment(cfg.plan_ring, cfg.timeout_s)
             plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape)
         self.plan_source = plan_source
-        self.connector = FFNConnector(self.transport, cfg.rank, self.device)
+        self.connector = self._connect()
         if self.device.type == "cuda":
             from afore.migrator.peers import open_peer_pools, publish_pools
 
-            publish_pools(self.connector.store, self.pools)
-            source = PoolSource(self.shape, open_peer_pools(self.connector.store, list(self.pools), cfg.num_ffn, cfg.rank, self.pools))
+            store = self.connector.store or self._peer_store()
+            publish_pools(store, self.pools)
+            source = PoolSource(self.shape, open_peer_pools(store, list(self.pools), cfg.num_ffn, cfg.rank, self.pools))
         else:
             source = HostWeightsSource(host_weights)
         self.migrator = Migrator(self.shape, cfg.rank, self.pools,
                                  make_copy_engine(self.device, delay_s=cfg.copy_delay_ms / 1e3,
                                                   max_gbps=cfg.copy_rate_gbps or None), source)
         self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
-        self.metrics = FFNMetrics(cfg.rank)
+        self._owner = torch.as_tensor(self.shape.primary_owner, dtype=torch.int64, device=self.device)
+        self.metrics = FFNMetrics(cfg.rank, self.shape)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port + cfg.rank)
         self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
         self.stop_event = threading.Event()
+
+    def _connect(self):
+        """The FFN end of the A2F/F2A transport (afore.transport.base)."""
+        cfg = self.cfg
+        if not cfg.shm_segment:
+            return FFNConnector(self.transport, cfg.rank, self.device)
+        from afore.transport.shm import ShmFFNEnd, ShmLayout
+
+        layout = ShmLayout(num_attention=cfg.num_attention, num_ffn=cfg.num_ffn, hidden=self.spec.hidden_size,
+                           top_k=self.spec.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth)
+        return ShmFFNEnd(cfg.shm_segment, layout, cfg.rank, self.device, timeout_s=cfg.timeout_s)
+
+    def _peer_store(self):
+        """The TCPStore on host:port that ``afore serve`` hosts for the CUDA IPC handles of the pools
+        (the shm transport has no store of its own)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.cfg.host, self.cfg.port, world_size=None, is_master=False,
+                             timeout=datetime.timedelta(seconds=self.cfg.timeout_s), wait_for_workers=False)
 
     # ------------------------------------------------------------------ plans
 
@@ -177,9 +206,9 @@ class FFNWorker:
         if plan is None:
             plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3)
             if plan is None:
-                self.metrics.plan_misses.inc()
+                self.metrics.count_plan("missed")
             elif not self.migrator.prepare(plan, expected_seq=mb.seq, expected_target=mb.target):
-                self.metrics.plans_rejected.inc()
+                self.metrics.count_plan("rejected")
                 log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
                 plan = None
         ok = self.connector.agree(plan is not None)
@@ -187,7 +216,6 @@ class FFNWorker:
             return plan
         if plan is not None:
             self.migrator.forget(plan)
-        self.metrics.fallbacks.inc()
         demand = bin_counts(mb.topk_ids.reshape(-1), self.shape.num_experts).cpu().numpy()
         return primary_only_plan(self.shape, demand, mb.target, mb.seq)
 
@@ -198,33 +226,46 @@ class FFNWorker:
             return
         plan = self._read_plan(nxt, 0.0)
         if plan is not None and not self.migrator.prepare(plan, expected_seq=nxt.seq, expected_target=nxt.target):
-            self.metrics.plans_rejected.inc()
+            self.metrics.count_plan("rejected")
             plan = None
         if plan is not None:
             self._early[nxt.seq] = plan
 
     # ------------------------------------------------------------------ loop
 
-    def step(self, mb: Microbatch) -> torch.Tensor:
-        """Run one target on this worker and reply; returns this worker's partial output."""
+    def step(self, mb: Microbatch) -> ReplyRows:
+        """Run one target on this worker and reply; returns the reply (this worker's partial sums
+        of the tokens it computed a pair of)."""
         t0 = time.perf_counter()
         self.shape.check_layer(mb.target.layer)
         layer = self.layers[mb.target.layer]
-        layer.check_inputs(mb.hidden, mb.topk_ids, mb.topk_weights)
         plan = self._plan_for(mb)
         self._read_ahead()
         if not plan.primary_only:
             self.migrator.commit(plan)
-        partial = layer.forward(mb.hidden, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
+        if mb.hidden is not None:  # the transport delivered every row (torch): reply densely
+            partial = layer.forward(mb.hidden, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
+            reply = ReplyRows.dense(partial)
+        else:  # sparse: read and return only the rows of the tokens this worker computes
+            tokens = self._my_tokens(layer, mb, plan)
+            partial = layer.forward(mb.rows_for(tokens), mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
+            reply = ReplyRows(tokens, partial.index_select(0, tokens))
         if not plan.primary_only:
             self.migrator.release(plan)
         for record in self.migrator.drain_records():
             self.metrics.observe(record)
-        self.metrics.targets.inc()
-        self.metrics.queued.set(self.connector.queued)
-        self.connector.send(mb, partial)
-        self.metrics.stage_ms.observe((time.perf_counter() - t0) * 1e3)
-        return partial
+        self.connector.send(mb, reply)
+        self.metrics.observe_target(plan, stage_s=time.perf_counter() - t0, queued=self.connector.queued)
+        return reply
+
+    def _my_tokens(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> torch.Tensor:
+        """int64 [U], ascending: the gathered tokens with at least one pair on this worker (eq. 11)."""
+        e = self.shape.num_experts
+        ids = mb.topk_ids
+        valid = (ids >= 0) & (ids < e)  # ids outside [0, E) run nowhere (the layer counts them)
+        assignment = torch.from_numpy(plan.assignment).to(self.device, non_blocking=True)
+        mine = worker_mask(ids.clamp(0, e - 1), assignment, self._owner, self.cfg.rank).view(ids.shape) & valid
+        return mine.any(1).nonzero().squeeze(1)
 
     def run(self, report_s: float = 10.0) -> None:
         """Serve targets until ``stop_event`` is set (SIGTERM in ``main``); logs the plan counters

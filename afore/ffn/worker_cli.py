@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-timeout-ms", type=float, default=5.0)
     parser.add_argument("--metrics-port", type=int, default=0, help="serve /metrics on this port + rank (0: off)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="transport timeout")
+    parser.add_argument("--shm-segment", default="", help="the shm transport's segment in /dev/shm (none: torch.distributed)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="shm: tokens per target and attention worker the segment holds")
+    parser.add_argument("--depth", type=int, default=2, help="targets in flight per attention worker (>= 2)")
 
 
 def config_from_args(args: argparse.Namespace) -> FFNWorkerConfig:
@@ -49,7 +52,8 @@ def config_from_args(args: argparse.Namespace) -> FFNWorkerConfig:
     return FFNWorkerConfig(rank=args.rank, num_ffn=args.num_ffn, num_attention=args.num_attention, model=args.model,
                           host=args.host, port=args.port, device=args.device, dtype=args.dtype, backend=args.backend,
                           redundant_slots=args.redundant_slots, m_tile=args.m_tile, plan_ring=args.plan_ring,
-                          plan_timeout_ms=args.plan_timeout_ms, copy_rate_gbps=args.copy_rate_gbps, metrics_port=args.metrics_port, timeout_s=args.timeout_s)
+                          plan_timeout_ms=args.plan_timeout_ms, copy_rate_gbps=args.copy_rate_gbps, metrics_port=args.metrics_port, timeout_s=args.timeout_s,
+                          shm_segment=args.shm_segment, max_tokens=args.max_tokens, depth=args.depth)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -60,9 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--device cuda: allow more workers than GPUs (they share GPUs; check memory headroom). "
                              "On CPU the workers always share the cores")
     parser.add_argument("--transport", default="auto", choices=TRANSPORTS,
-                        help="A2F/F2A path: torch-nccl (one GPU per worker), torch-gloo (CPU, or CUDA tensors staged "
-                             "through the host: workers sharing a GPU); auto = gloo on CPU or shared GPUs, else NCCL")
+                        help="A2F/F2A path: shm (shared buffers on one node, sparse; CUDA tensors staged through the host), "
+                             "torch-nccl (one GPU per worker, across nodes), torch-gloo (CPU hosts, or CUDA tensors staged "
+                             "through the host); auto = shm on a one-node CPU layout, else NCCL on CUDA (gloo where workers "
+                             "share a GPU), gloo on CPU across nodes")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len: longest prompt + output, tokens")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="vLLM --max-num-batched-tokens, also the tokens per target the shm transport holds (0 = --max-model-len)")
     parser.add_argument("--dtype", default="auto",
                         help="vLLM --dtype, also the FFN workers' (auto = the checkpoint's, float32 when it declares none)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager (faster start, no torch.compile)")
@@ -86,10 +90,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         admin_port=args.admin_port, microbatches=args.microbatches,
                         redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
-                        colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, dtype=args.dtype,
+                        colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
-                        calibration=args.calibration, primaries=args.primaries, primaries_file=args.primaries_file)
+                        primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -59,7 +59,9 @@ ROLES = ("all", "ffn", "attention")
 # A2F/F2A transports: torch.distributed with NCCL (one GPU per worker) or gloo (CPU, or CUDA
 # tensors staged through the host: workers sharing a GPU, which NCCL cannot hold); auto = gloo
 # on CPU and where workers share a GPU, NCCL otherwise.
-TRANSPORTS = ("auto", "torch-nccl", "torch-gloo")
+# shm: shared buffers on this node (afore.transport.shm; sparse; CUDA tensors staged through the
+# host), the default of a one-node CPU layout.
+TRANSPORTS = ("auto", "shm", "torch-nccl", "torch-gloo")
 # Primary layouts: contiguous blocks (ClusterShape's default) or co-clustered by expert affinity
 # (afore.affinity; the scheduler and every FFN worker use the same ClusterShape.primaries).
 PRIMARY_LAYOUTS = ("contiguous", "affinity")
@@ -85,6 +87,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     colocate: bool = False
     transport: str = "auto"         # TRANSPORTS
     max_model_len: int = 2048
+    max_num_batched_tokens: int = 0  # vLLM's; also the tokens per target the shm transport holds; 0 = max_model_len
     enforce_eager: bool = False
     dtype: str = "auto"
     seed: int = 0
@@ -93,9 +96,9 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     start_timeout_s: float = 600.0
     exchange_timeout_s: float = 60.0
     vllm_args: list[str] = []
-    calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
     primaries: str = "contiguous"   # PRIMARY_LAYOUTS: contiguous blocks, or co-clustered from primaries_file
     primaries_file: str = ""        # layout JSON (afore profile affinity --layout-out) or affinity profile (.npz)
+    calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -113,6 +116,10 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.transport == "shm" and self.role != "all":
+            raise ValueError(f"transport: shm needs every worker on one node (--role all), got --role {self.role}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"max_num_batched_tokens: expected >= 0 (0 = max_model_len), got {self.max_num_batched_tokens}")
         if self.transport == "torch-nccl" and self.device != "cuda":
             raise ValueError(f"transport: torch-nccl needs --device cuda, got {self.device!r}")
         if not 1 <= self.port <= 65535:
@@ -236,6 +243,15 @@ def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
                          "pass --transport torch-gloo")
 
 
+def uses_shm(opts: ServeOptions) -> bool:
+    """The shm transport: asked for, or ``auto`` on a one-node CPU layout."""
+    return opts.transport == "shm" or (opts.transport == "auto" and opts.role == "all" and opts.device == "cpu")
+
+
+def batched_tokens(opts: ServeOptions) -> int:
+    return opts.max_num_batched_tokens or opts.max_model_len
+
+
 def transport_backend(opts: ServeOptions, devices: int) -> str:
     """The torch.distributed backend of ``opts.transport`` on this node ("gloo" or "nccl").
     ``auto`` with a split role is NCCL on CUDA: both nodes must pick the same backend and each
@@ -288,6 +304,8 @@ class Launcher:
         self.dtype = ""  # resolved by start(): what vLLM and the FFN workers both run
         tag = f"afore-{os.getpid()}"
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
+        self.data_name = f"{tag}-data" if uses_shm(opts) else ""  # the shm transport's segment
+        self.data_plane = None
         self._admin = None  # afore.serve.admin.AdminServer once started
         self.output = ChildOutput(opts.verbose, opts.log_file)  # where the children's stdout/stderr go
         self._shape = None  # shape(): computed once
@@ -333,6 +351,7 @@ class Launcher:
                         self.store = host_store(self.store_port, max(opts.start_timeout_s, opts.exchange_timeout_s))
                     self.start_scheduler(self.policy)
                 elif phase == "FFN workers":
+                    self.create_data_plane()
                     self.start_ffn_workers()
                 elif phase == "FFN node":
                     from afore.transport.connector import wait_for_ffn
@@ -446,12 +465,21 @@ class Launcher:
                                host=store_host, port=self.store_port, device=self._worker_device(device_index),
                                dtype=self.dtype, backend=self.backend, redundant_slots=shape.redundant_slots,
                                m_tile=shape.m_tile, copy_rate_gbps=opts.copy_rate_gbps, plan_ring=self.ring_name,
-                               timeout_s=max(opts.start_timeout_s, opts.exchange_timeout_s), shape=shape)
+                               timeout_s=max(opts.start_timeout_s, opts.exchange_timeout_s), shape=shape,
+                               **self._shm_fields())
+
+    def _shm_fields(self) -> dict:
+        """The shm transport's FFN worker fields (segment, tokens per target, targets in flight);
+        {} with torch.distributed. The primary layout travels in the shape."""
+        if not self.data_name:
+            return {}
+        return {"shm_segment": self.data_name, "max_tokens": batched_tokens(self.opts), "depth": self.depth}
 
     def server_command(self) -> list[str]:
         opts = self.opts
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--host", opts.host, "--port", str(opts.port), "--max-model-len", str(opts.max_model_len),
+               "--max-num-batched-tokens", str(batched_tokens(opts)),
                "--dtype", self.dtype or opts.dtype, "--seed", str(opts.seed)]
         if opts.attn_workers > 1:
             cmd += ["--data-parallel-size", str(opts.attn_workers)]
@@ -474,7 +502,9 @@ class Launcher:
                                    backend=self.backend,
                                    microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
-                                   store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s)
+                                   store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
+                                   shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
+                                   depth=self.depth)
         env = {**self.child_env(), **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
@@ -638,6 +668,9 @@ class Launcher:
             _stop(child.proc, 10.0)
         with self._lock:
             self.stop_scheduler()
+        if self.data_plane is not None:
+            self.data_plane.close()
+            self.data_plane = None
         self.store = None
         if self.metrics_dir:
             multiprocess.remove_dir(self.metrics_dir)
@@ -657,6 +690,32 @@ class Launcher:
         if self.opts.role != "ffn" or not self.metrics_dir:
             return None
         return multiprocess.aggregate(self.metrics_dir)
+
+    @property
+    def depth(self) -> int:
+        """Targets in flight per attention worker: every microbatch of a layer."""
+        return max(2, self.opts.microbatches)
+
+    def create_data_plane(self) -> None:
+        """The shm transport's segment, before any worker attaches (removed at shutdown). On CUDA
+        the FFN workers exchange their pools' IPC handles through a TCPStore hosted here."""
+        if not self.data_name:
+            return
+        from afore.transport.shm import ShmLayout, ShmSegment
+
+        assert self.spec is not None
+        layout = ShmLayout(num_attention=self.opts.attn_workers, num_ffn=self.opts.ffn_workers,
+                           hidden=self.spec.hidden_size, top_k=self.spec.top_k, max_tokens=batched_tokens(self.opts),
+                           dtype=self.dtype, depth=self.depth)
+        self.data_plane = ShmSegment.create(self.data_name, layout)
+        if self.opts.device == "cuda" and self.store is None:
+            from afore.transport.connector import host_store
+
+            if not self.store_port:
+                from afore.ports import free_port
+
+                self.store_port = free_port()
+            self.store = host_store(self.store_port, max(self.opts.start_timeout_s, self.opts.exchange_timeout_s))
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from afore.plan import Target
+from afore.transport.base import Microbatch, ReplyRows
 
 MAGIC = 0xAF0E
 HEADER_LEN = 9
@@ -91,20 +92,6 @@ class TransportConfig:
     @property
     def world_size(self) -> int:
         return self.num_attention + self.num_ffn
-
-
-@dataclasses.dataclass
-class Microbatch:
-    """One target's inputs at the FFN side, gathered in attention-rank order."""
-
-    target: Target
-    seq: int
-    hidden: torch.Tensor        # [N, H], N = sum of splits
-    topk_ids: torch.Tensor      # int32 [N, k]
-    topk_weights: torch.Tensor  # fp32 [N, k]
-    splits: list[int]           # rows per attention worker
-    arrived: float = 0.0        # time.perf_counter() when the last part arrived
-    ready: object = None        # CUDA event on the receive stream (None on CPU)
 
 
 @dataclasses.dataclass
@@ -434,6 +421,10 @@ class FFNConnector:
         """Combine the F partial outputs of ``mb`` and reply to the attention workers this worker serves."""
         cfg = self.cfg
         n = sum(mb.splits)
+        if isinstance(partial, ReplyRows):  # sparse rows: scattered back to [N, H] for the all-reduce
+            dense = torch.zeros(n, cfg.hidden, dtype=partial.rows.dtype, device=partial.rows.device)
+            dense[partial.tokens] = partial.rows
+            partial = dense
         if tuple(partial.shape) != (n, cfg.hidden):
             raise ValueError(f"partial: expected shape [{n}, {cfg.hidden}], got {tuple(partial.shape)}")
         combined = partial.to(device=self.wire, dtype=cfg.dtype).contiguous()

@@ -19,6 +19,7 @@ from afore.ffn.reference import dense_moe, random_plan, random_routing
 from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
 from afore.plan import SlotTable, Target
 from afore.transport.connector import AttentionConnector, TransportConfig
+from afore.transport.shm import ShmAttentionEnd, ShmLayout, ShmSegment
 
 pytestmark = pytest.mark.slow
 M_TILE = 2
@@ -41,15 +42,16 @@ def model():
     return str(path), spec, weights
 
 
-def metric(text: str, name: str) -> float:
+def metric(text: str, name: str, label: str = "") -> float:
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
             return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in metrics")
+    raise AssertionError(f"{name} {label} not in metrics")
 
 
+@pytest.mark.parametrize("transport", ["torch", "shm"])
 @pytest.mark.parametrize("num_attention,num_ffn", [(1, 2), (2, 3)])
-def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn):
+def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn, transport):
     from afore.scheduler.plan_ring import PlanRing
 
     path, spec, weights = model
@@ -77,10 +79,14 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
     ring = PlanRing.create(ring_name, shape, num_readers=num_ffn, liveness_timeout_s=30.0)
     port, metrics_port = free_port(), free_port()
     cfg = TransportConfig("127.0.0.1", port, num_attention, num_ffn, spec.hidden_size, spec.top_k, timeout_s=60)
+    segment = f"afore-test-dp-{os.getpid()}-{num_ffn}" if transport == "shm" else ""
+    layout = ShmLayout(num_attention=num_attention, num_ffn=num_ffn, hidden=spec.hidden_size, top_k=spec.top_k,
+                       max_tokens=32, depth=2)
+    seg = ShmSegment.create(segment, layout) if segment else None
     workers = start_ffn_workers([
         FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=num_attention, model=path, port=port, m_tile=M_TILE,
                         plan_ring=ring_name, plan_timeout_ms=200.0, metrics_port=metrics_port if r == 0 else 0,
-                        copy_delay_ms=2.0, timeout_s=60)
+                        copy_delay_ms=2.0, timeout_s=60, shm_segment=segment, max_tokens=32)
         for r in range(num_ffn)])
     outputs = [[None] * len(targets) for _ in range(num_attention)]
     errors, conns = [], []
@@ -88,7 +94,7 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
 
     def attention(a):
         try:
-            conn = AttentionConnector(cfg, a)
+            conn = ShmAttentionEnd(segment, layout, a, timeout_s=60) if segment else AttentionConnector(cfg, a)
             conns.append(conn)
             connected.wait()  # the FFN workers attached to the ring before the rendezvous
             # two targets in flight: send t+1 before receiving t
@@ -120,6 +126,8 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
         for conn in conns:
             conn.close()
         ring.close()
+        if seg is not None:
+            seg.close()
     assert [p.exitcode for p in workers] == [0] * num_ffn
     for seq, target in enumerate(targets):
         w = weights[target.layer]
@@ -131,9 +139,9 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
                 ref = dense_moe(hidden, ids, tw, w.w13, w.w2)
                 assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5, (seq, a)
     assert metric(text, "afore_ffn_targets_total") == len(targets)
-    assert metric(text, "afore_ffn_primary_only_total") == 1
-    assert metric(text, "afore_ffn_plan_misses_total") == 1
-    assert metric(text, "afore_ffn_lookahead_window_ms_count") >= 1
+    assert metric(text, "afore_ffn_primary_only_targets_total") == 1
+    assert metric(text, "afore_ffn_plans_total", 'outcome="missed"') == 1
+    assert metric(text, "afore_ffn_lookahead_window_seconds_count") >= 1
 
 
 def test_attention_side_rejects_wrong_shapes():

@@ -1,0 +1,558 @@
+"""Intra-node A2F/F2A transport: shared buffers in one POSIX shared-memory segment, sparse reads.
+
+For attention and FFN workers on one node (``afore serve`` on one machine, ``--colocate``, one
+GPU shared by several workers on a CUDA host with host staging). No sockets, no collective: each
+attention worker writes a target's tokens once into its own request slot; every FFN worker reads
+the routing ids of all A senders (N*k int32, needed for the exact partition, eq. 11), then gathers
+only the hidden rows of the tokens it computes; each FFN worker writes weighted partial sums for
+just those tokens into its reply slot for the token's attention worker, which sums the F replies.
+Bytes per target each way: the rows of the pairs' tokens (at most pairs x H x dtype), plus ids
+and headers; there is no all-gather of the tokens and no all-reduce over the F workers.
+
+Segment layout (``ShmLayout``; every offset 64-byte aligned)::
+
+    pids       int64[A + F]                 process of each end (liveness of peers)
+    req_ready  int32[A, D]                  futex word: message counter + 1 of the slot's content
+    req_head   int64[A, D, 8]               [counter, seq, step, layer, microbatch, n, counter, 0]
+    req_data   per (a, d): hidden [T, H] dtype | ids int32 [T, k] | weights fp32 [T, k]
+    rep_ready  int32[F, A, D]               futex word, as req_ready
+    rep_head   int64[F, A, D, 8]            [counter, seq, step, layer, microbatch, rows, counter, 0]
+    rep_data   per (f, a, d): rows [T, H] dtype | token index int32 [T]
+    votes      int32[F, 2]                  plan agreement among the FFN workers (``agree``)
+
+Flow control needs no acknowledgements: attention worker a writes message c into slot c % D only
+after it received every reply to message c - D (``AttentionEnd.send`` waits for them), and an FFN
+worker replies to a message only after it read it; replies are consumed in order in the same way.
+The header's first and last counter words bracket a slot's content (written before and after
+it), and the futex word is written last: a reader that finds them unequal, or a counter it did not
+expect, raises instead of reading a torn or stale slot.
+
+Waiting blocks in the kernel (futex on the ready words, ``FUTEX_WAIT`` with a timeout), never
+spins: the processes of ``afore serve`` may share two cores. While waiting, an end wakes every
+``poll_s`` to check that its peers' processes are alive, so a dead FFN worker fails the attention
+worker's exchange at once instead of after the timeout.
+
+Memory order: x86-64 keeps stores in program order and loads in program order (TSO), and every
+store here is a plain aligned store made before the futex call that publishes it; the segment is
+not portable to weaker memory models as written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import os
+import time
+
+import msgspec
+import numpy as np
+import torch
+
+from afore.plan import Target
+from afore.transport.base import Microbatch, ReplyRows
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ALIGN = 64
+_HEAD = 8
+_SYS_FUTEX = 202          # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the int32 at ``addr`` equals ``expected``, at most ``timeout_s`` (spurious
+    wake-ups are fine: callers re-check). Releases the GIL (ctypes)."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected), ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
+
+
+def _word(counter: int) -> int:
+    """The futex word that publishes message ``counter`` (31 bits, never 0: 0 = empty)."""
+    return counter % 0x7FFFFFFE + 1
+
+
+class ShmLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything both ends must agree on; sizes the segment.
+
+    ``max_tokens`` T bounds the tokens of one target from one attention worker (vLLM's
+    max_num_batched_tokens is the safe value); ``depth`` D the targets one attention worker may
+    have in flight (>= 2: the FFN side reads target t+1's plan while t computes)."""
+
+    num_attention: int
+    num_ffn: int
+    hidden: int
+    top_k: int
+    max_tokens: int
+    dtype: str = "float32"
+    depth: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_attention", "num_ffn", "hidden", "top_k", "max_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
+        if self.depth < 2:
+            raise ValueError(f"depth: expected >= 2 (two targets in flight), got {self.depth}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def offsets(self) -> dict[str, int]:
+        """Byte offset of each region, and ``size``: the segment's length."""
+        a, f, d = self.num_attention, self.num_ffn, self.depth
+        es = torch.empty(0, dtype=self.torch_dtype).element_size()
+        sizes = [("pids", 8 * (a + f)), ("req_ready", 4 * a * d), ("req_head", 8 * _HEAD * a * d),
+                 ("rep_ready", 4 * f * a * d), ("rep_head", 8 * _HEAD * f * a * d), ("votes", 4 * f * 2),
+                 ("req_data", a * d * self.req_slot_bytes(es)), ("rep_data", f * a * d * self.rep_slot_bytes(es))]
+        out, pos = {}, 0
+        for name, n in sizes:
+            out[name] = pos
+            pos += -(-n // _ALIGN) * _ALIGN
+        out["size"] = pos
+        return out
+
+    def req_slot_bytes(self, es: int) -> int:
+        t = self.max_tokens
+        return -(-(t * self.hidden * es + t * self.top_k * 8) // _ALIGN) * _ALIGN
+
+    def rep_slot_bytes(self, es: int) -> int:
+        t = self.max_tokens
+        return -(-(t * self.hidden * es + t * 4) // _ALIGN) * _ALIGN
+
+
+class ShmSegment:
+    """The mapped segment: ``create`` (the launcher, once) or ``attach`` (every end)."""
+
+    def __init__(self, name: str, layout: ShmLayout, fd: int, owner: bool) -> None:
+        self.name, self.layout, self.owner = name, layout, owner
+        self.off = layout.offsets()
+        self.mm = mmap.mmap(fd, self.off["size"])
+        os.close(fd)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        buf = np.frombuffer(self.mm, dtype=np.uint8)
+        a, f, d = layout.num_attention, layout.num_ffn, layout.depth
+
+        def view(name, dtype, shape):
+            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            return buf[self.off[name]:self.off[name] + n].view(dtype).reshape(shape)
+
+        self.pids = view("pids", np.int64, (a + f,))
+        self.req_ready = view("req_ready", np.int32, (a, d))
+        self.req_head = view("req_head", np.int64, (a, d, _HEAD))
+        self.rep_ready = view("rep_ready", np.int32, (f, a, d))
+        self.rep_head = view("rep_head", np.int64, (f, a, d, _HEAD))
+        self.votes = view("votes", np.int32, (f, 2))
+        self._raw = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, name: str, layout: ShmLayout) -> "ShmSegment":
+        """A new zeroed segment ``/dev/shm/<name>`` (a stale one of a crashed run is replaced)."""
+        path = _path(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, layout.offsets()["size"])
+        return cls(name, layout, fd, True)
+
+    @classmethod
+    def attach(cls, name: str, layout: ShmLayout, timeout_s: float = 30.0) -> "ShmSegment":
+        """Map an existing segment, waiting up to ``timeout_s`` for it to appear with its full size."""
+        path, size = _path(name), layout.offsets()["size"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                if os.fstat(fd).st_size == size:
+                    return cls(name, layout, fd, False)
+                actual = os.fstat(fd).st_size
+                os.close(fd)
+                if actual:
+                    raise ValueError(f"{name}: segment has {actual} bytes, this layout needs {size} "
+                                     f"(the two ends disagree on the layout: {layout})")
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: data-plane segment not found in /dev/shm after {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def addr(self, region: str, index: int, itemsize: int) -> int:
+        return self.base + self.off[region] + index * itemsize
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        es = torch.empty(0, dtype=dtype).element_size()
+        n = int(np.prod(shape)) * es
+        return self._raw[offset:offset + n].view(dtype).view(shape)
+
+    def req_views(self, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden [T, H], ids int32 [T, k], weights fp32 [T, k]) of request slot (a, d)."""
+        lay = self.layout
+        es = torch.empty(0, dtype=lay.torch_dtype).element_size()
+        t, h, k = lay.max_tokens, lay.hidden, lay.top_k
+        base = self.off["req_data"] + (a * lay.depth + d) * lay.req_slot_bytes(es)
+        hidden = self.tensor(base, lay.torch_dtype, (t, h))
+        ids = self.tensor(base + t * h * es, torch.int32, (t, k))
+        weights = self.tensor(base + t * h * es + t * k * 4, torch.float32, (t, k))
+        return hidden, ids, weights
+
+    def rep_views(self, f: int, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [T, H], token int32 [T]) of reply slot (f, a, d)."""
+        lay = self.layout
+        es = torch.empty(0, dtype=lay.torch_dtype).element_size()
+        t, h = lay.max_tokens, lay.hidden
+        base = self.off["rep_data"] + ((f * lay.num_attention + a) * lay.depth + d) * lay.rep_slot_bytes(es)
+        return self.tensor(base, lay.torch_dtype, (t, h)), self.tensor(base + t * h * es, torch.int32, (t,))
+
+    def close(self) -> None:
+        self._raw = None
+        for name in ("pids", "req_ready", "req_head", "rep_ready", "rep_head", "votes"):
+            setattr(self, name, None)
+        try:
+            self.mm.close()
+        except BufferError:  # a view outlives us (e.g. a Microbatch still referenced): the OS unmaps at exit
+            pass
+        if self.owner:
+            unlink_segment(self.name)
+
+
+def _path(name: str) -> str:
+    if not name or "/" in name:
+        raise ValueError(f"name: expected a segment name without '/', got {name!r}")
+    return f"/dev/shm/{name}"
+
+
+def unlink_segment(name: str) -> None:
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+class PeerGone(RuntimeError):
+    """A peer process of the data plane exited."""
+
+
+def _wait_word(seg: ShmSegment, region: str, index: int, want: int, deadline: float, poll_s: float,
+               peers: list[int], what: str) -> None:
+    """Block until int32 word ``index`` of ``region`` equals ``want``; PeerGone if a peer process
+    died, TimeoutError at ``deadline`` (monotonic; inf = never)."""
+    arr = seg.req_ready.reshape(-1) if region == "req_ready" else seg.rep_ready.reshape(-1) if region == "rep_ready" else seg.votes.reshape(-1)
+    addr = seg.addr(region, index, 4)
+    while True:
+        cur = int(arr[index])
+        if cur == want:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: nothing after the timeout")
+        _futex_wait(addr, cur, min(poll_s, left))
+        if int(arr[index]) != want:
+            for p in peers:
+                pid = int(seg.pids[p])
+                if pid and not _alive(pid):
+                    raise PeerGone(f"{what}: the peer process {pid} exited")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@dataclasses.dataclass
+class _Sent:
+    target: Target
+    seq: int
+    num_tokens: int
+    counter: int
+    sent_ns: int
+
+
+class ShmAttentionEnd:
+    """Attention worker ``rank``'s end. ``send`` returns a handle; ``recv(handle)`` the combined
+    routed-expert output [n, H] (sum of the F sparse replies), in send order."""
+
+    def __init__(self, name: str, layout: ShmLayout, rank: int, device: torch.device | str = "cpu",
+                 timeout_s: float = 60.0, poll_s: float = 0.1) -> None:
+        if not 0 <= rank < layout.num_attention:
+            raise ValueError(f"rank: expected in [0, {layout.num_attention}), got {rank}")
+        self.layout, self.rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
+        self.device = torch.device(device)
+        self.seg = ShmSegment.attach(name, layout, timeout_s)
+        self.seg.pids[rank] = os.getpid()
+        self._counter = 0
+        self._inflight: list[_Sent] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._wait_for_ffn(timeout_s)
+
+    def _wait_for_ffn(self, timeout_s: float) -> None:
+        """Every FFN worker attached (it does so once its experts are loaded and it reads the plan
+        ring): only then may targets flow, as with the torch transport's rendezvous."""
+        deadline = time.monotonic() + timeout_s
+        lay = self.layout
+        while not all(self.seg.pids[lay.num_attention:]):
+            if time.monotonic() > deadline:
+                missing = [f for f in range(lay.num_ffn) if not self.seg.pids[lay.num_attention + f]]
+                raise TimeoutError(f"FFN workers {missing} did not attach to {self.seg.name} within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def send(self, target: Target, seq: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor) -> _Sent:
+        lay = self.layout
+        n = hidden.shape[0]
+        if hidden.dim() != 2 or hidden.shape[1] != lay.hidden:
+            raise ValueError(f"hidden: expected shape [n, {lay.hidden}], got {tuple(hidden.shape)}")
+        if n > lay.max_tokens:
+            raise ValueError(f"hidden: expected at most max_tokens={lay.max_tokens} tokens per target, got {n} "
+                             f"(raise afore serve --max-num-batched-tokens)")
+        if tuple(topk_ids.shape) != (n, lay.top_k) or tuple(topk_weights.shape) != (n, lay.top_k):
+            raise ValueError(f"topk_ids, topk_weights: expected shape [{n}, {lay.top_k}], got "
+                             f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+        if len(self._inflight) >= lay.depth:  # flow control: slot c % D is free once c - D was answered
+            raise RuntimeError(f"send: at most depth={lay.depth} targets in flight; recv the oldest first")
+        c = self._counter
+        d = c % lay.depth
+        seg = self.seg
+        head = seg.req_head[self.rank, d]
+        head[0] = c
+        if n:
+            h, ids, w = seg.req_views(self.rank, d)
+            h[:n].copy_(hidden)
+            ids[:n].copy_(topk_ids)
+            w[:n].copy_(topk_weights)
+        head[1:6] = (seq, target.step, target.layer, target.microbatch, n)
+        head[6] = c
+        seg.req_ready[self.rank, d] = _word(c)
+        _futex_wake(seg.addr("req_ready", self.rank * lay.depth + d, 4))
+        self._counter += 1
+        es = hidden.element_size()
+        self.bytes_sent += n * (lay.hidden * es + lay.top_k * 8)
+        sent = _Sent(target, seq, n, c, time.perf_counter_ns())
+        self._inflight.append(sent)
+        return sent
+
+    def recv(self, sent: _Sent) -> torch.Tensor:
+        if not self._inflight or self._inflight[0] is not sent:
+            raise ValueError("sent: expected the oldest outstanding target (replies arrive in send order)")
+        self._inflight.pop(0)
+        lay, seg = self.layout, self.seg
+        d = sent.counter % lay.depth
+        out = torch.zeros(sent.num_tokens, lay.hidden, dtype=torch.float32)
+        deadline = time.monotonic() + self.timeout_s
+        for f in range(lay.num_ffn):
+            index = (f * lay.num_attention + self.rank) * lay.depth + d
+            _wait_word(seg, "rep_ready", index, _word(sent.counter), deadline, self.poll_s, [lay.num_attention + f],
+                       f"reply to seq {sent.seq} from FFN worker {f}")
+            head = seg.rep_head[f, self.rank, d]
+            if not (head[0] == head[6] == sent.counter) or tuple(head[1:5]) != (sent.seq, sent.target.step,
+                                                                               sent.target.layer, sent.target.microbatch):
+                raise ValueError(f"reply from FFN worker {f}: expected seq {sent.seq} {sent.target} (message {sent.counter}), "
+                                 f"got header {head.tolist()} (torn or stale slot)")
+            rows = int(head[5])
+            if rows:
+                data, token = seg.rep_views(f, self.rank, d)
+                out.index_add_(0, token[:rows].long(), data[:rows].float())
+                self.bytes_received += rows * (lay.hidden * data.element_size() + 4)
+        return out.to(device=self.device, dtype=lay.torch_dtype)
+
+    def exchange(self, target: Target, seq: int, hidden, topk_ids, topk_weights) -> torch.Tensor:
+        return self.recv(self.send(target, seq, hidden, topk_ids, topk_weights))
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+class ShmFFNEnd:
+    """FFN worker ``rank``'s end: ``recv`` the next target (routing of all A senders, hidden rows
+    read lazily: ``Microbatch.gather_rows``), ``agree`` on its plan with the other FFN workers,
+    ``send`` partial sums for the tokens this worker computed."""
+
+    def __init__(self, name: str, layout: ShmLayout, rank: int, device: torch.device | str = "cpu",
+                 timeout_s: float = 60.0, poll_s: float = 0.2) -> None:
+        if not 0 <= rank < layout.num_ffn:
+            raise ValueError(f"rank: expected in [0, {layout.num_ffn}), got {rank}")
+        self.layout, self.ffn_rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
+        self.device = torch.device(device)
+        self.seg = ShmSegment.attach(name, layout, timeout_s)
+        self.seg.pids[layout.num_attention + rank] = os.getpid()
+        self._counter = 0          # next message counter (the same for every attention worker)
+        self._peeked: Microbatch | None = None
+        self._votes = 0
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.store = None  # no TCPStore: GPU peers use CUDA IPC handles exchanged elsewhere
+
+    @property
+    def queued(self) -> int:
+        """Targets published and not yet received (0..depth)."""
+        return int(self._ready(self._counter, block=False)) + (self._peeked is not None)
+
+    def _ready(self, c: int, block: bool, deadline: float = float("inf")) -> bool:
+        lay, seg = self.layout, self.seg
+        d = c % lay.depth
+        for a in range(lay.num_attention):
+            if not block:
+                if int(seg.req_ready[a, d]) != _word(c):
+                    return False
+                continue
+            _wait_word(seg, "req_ready", a * lay.depth + d, _word(c), deadline, self.poll_s, [],
+                       f"request {c} from attention worker {a}")
+        return True
+
+    def _read(self, c: int) -> Microbatch:
+        lay, seg = self.layout, self.seg
+        d = c % lay.depth
+        key, splits, ids, weights, views = None, [], [], [], []
+        for a in range(lay.num_attention):
+            head = seg.req_head[a, d]
+            if not head[0] == head[6] == c:
+                raise ValueError(f"request from attention worker {a}: expected message {c}, got header {head.tolist()} "
+                                 f"(torn or stale slot)")
+            seq, step, layer, mb, n = (int(x) for x in head[1:6])
+            if not 0 <= n <= lay.max_tokens:
+                raise ValueError(f"request from attention worker {a}: num_tokens: expected in [0, {lay.max_tokens}], got {n}")
+            if key is None:
+                key = (seq, Target(step, layer, mb))
+            elif key != (seq, Target(step, layer, mb)):
+                raise ValueError(f"request from attention worker {a}: target: expected seq {key[0]} {key[1]} "
+                                 f"(as attention worker 0), got seq {seq} {Target(step, layer, mb)}")
+            h, i, w = seg.req_views(a, d)
+            splits.append(n)
+            views.append(h[:n])
+            ids.append(i[:n])
+            weights.append(w[:n])
+        # ids and weights of every sender are read whole (every worker partitions the same gathered
+        # routing, eq. 11); hidden rows stay in shared memory until gather_rows
+        topk_ids = (ids[0] if len(ids) == 1 else torch.cat(ids)).to(self.device)
+        topk_weights = (weights[0] if len(weights) == 1 else torch.cat(weights)).to(self.device)
+        self.bytes_received += sum(splits) * lay.top_k * 8
+        return Microbatch(key[1], key[0], None, topk_ids, topk_weights, splits, time.perf_counter(), None,
+                          source=_ShmRows(self, views), counter=c)
+
+    def recv(self, timeout_s: float | None = None) -> Microbatch | None:
+        """The next target, or None after ``timeout_s`` (None: wait forever)."""
+        if self._peeked is not None:
+            mb, self._peeked = self._peeked, None
+            self._counter += 1
+            return mb
+        deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            self._ready(self._counter, True, deadline)
+        except TimeoutError:
+            return None
+        mb = self._read(self._counter)
+        self._counter += 1
+        return mb
+
+    def peek(self) -> Microbatch | None:
+        """The target after the current one if every sender already published it (no wait)."""
+        if self._peeked is None and self._ready(self._counter, block=False):
+            self._peeked = self._read(self._counter)
+        return self._peeked
+
+    def agree(self, flag: bool) -> bool:
+        """True only if every FFN worker passes True for this target (a barrier over the votes in
+        shared memory; the same decision on every worker, DESIGN.md invariant 3)."""
+        lay, seg = self.layout, self.seg
+        if lay.num_ffn == 1:
+            return flag
+        v = self._votes
+        self._votes += 1
+        word = ((v % 0x3FFFFFFE) + 1) << 1
+        slot = v % 2
+        seg.votes[self.ffn_rank, slot] = word | int(bool(flag))
+        _futex_wake(seg.addr("votes", self.ffn_rank * 2 + slot, 4))
+        deadline = time.monotonic() + self.timeout_s
+        result = bool(flag)
+        for g in range(lay.num_ffn):
+            if g == self.ffn_rank:
+                continue
+            index = g * 2 + slot
+            while (int(seg.votes[g, slot]) >> 1) << 1 != word:
+                cur = int(seg.votes[g, slot])
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"agree: FFN worker {g} did not vote on target {v} within {self.timeout_s} s")
+                _futex_wait(seg.addr("votes", index, 4), cur, self.poll_s)
+                pid = int(seg.pids[lay.num_attention + g])
+                if pid and not _alive(pid):
+                    raise PeerGone(f"agree: FFN worker {g} (pid {pid}) exited")
+            result = result and bool(int(seg.votes[g, slot]) & 1)
+        return result
+
+    def send(self, mb: Microbatch, partial: ReplyRows) -> None:
+        """Reply to every attention worker with this worker's partial sums of its tokens (an empty
+        reply where it computed none of them): ``partial.rows [U, H]`` for gathered token indices
+        ``partial.tokens int64 [U]`` (ascending)."""
+        lay, seg = self.layout, self.seg
+        d = mb.counter % lay.depth
+        tokens = partial.tokens.to("cpu")
+        rows = partial.rows.to(device="cpu", dtype=lay.torch_dtype)
+        bounds = torch.tensor([0] + list(np.cumsum(mb.splits)), dtype=torch.int64)
+        cut = torch.searchsorted(tokens, bounds).tolist()
+        for a in range(lay.num_attention):
+            lo, hi = cut[a], cut[a + 1]
+            k = hi - lo
+            head = seg.rep_head[self.ffn_rank, a, d]
+            head[0] = mb.counter
+            if k:
+                data, token = seg.rep_views(self.ffn_rank, a, d)
+                data[:k].copy_(rows[lo:hi])
+                token[:k].copy_(tokens[lo:hi] - int(bounds[a]))
+                self.bytes_sent += k * (lay.hidden * data.element_size() + 4)
+            head[1:6] = (mb.seq, mb.target.step, mb.target.layer, mb.target.microbatch, k)
+            head[6] = mb.counter
+            seg.rep_ready[self.ffn_rank, a, d] = _word(mb.counter)
+            _futex_wake(seg.addr("rep_ready", (self.ffn_rank * lay.num_attention + a) * lay.depth + d, 4))
+
+    def close(self) -> None:
+        self._peeked = None
+        self.seg.close()
+
+
+class _ShmRows:
+    """Lazy hidden rows of one target: views into the A request slots."""
+
+    def __init__(self, end: ShmFFNEnd, views: list[torch.Tensor]) -> None:
+        self.end, self.views = end, views
+
+    def gather(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden rows [U, H] of gathered token indices ``tokens`` (int64, ascending)."""
+        if len(self.views) == 1:
+            out = self.views[0].index_select(0, tokens.to("cpu"))
+        else:
+            offsets = torch.tensor([0] + list(np.cumsum([v.shape[0] for v in self.views])), dtype=torch.int64)
+            t = tokens.to("cpu")
+            cut = torch.searchsorted(t, offsets).tolist()
+            out = torch.cat([v.index_select(0, t[cut[a]:cut[a + 1]] - offsets[a]) for a, v in enumerate(self.views)])
+        self.end.bytes_received += out.numel() * out.element_size()
+        return out.to(self.end.device)
+
+    def view_for(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One sender: its whole slot [N, H] as a view (no copy); the expert kernel reads only the
+        rows of ``tokens``, which are what this counts as read."""
+        view = self.views[0]
+        self.end.bytes_received += int(tokens.numel()) * view.shape[1] * view.element_size()
+        return view.to(self.end.device)
+
+    def dense(self) -> torch.Tensor:
+        """Every row [N, H] (the reference path and tests)."""
+        out = self.views[0] if len(self.views) == 1 else torch.cat(self.views)
+        return out.to(self.end.device)
