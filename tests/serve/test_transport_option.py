@@ -56,10 +56,11 @@ def test_ffn_workers_and_the_attention_side_get_the_same_backend(monkeypatch):
     launcher.model = tiny("qwen3_moe")
     launcher.spec, launcher.config = read_serving_spec(launcher.model)
     launcher.backend = transport_backend(opts, 1)
+    launcher.dtype = "float32"
     launcher.start_ffn_workers()
     launcher.start_server()
-    workers = [cmd for cmd, _ in started if "ffn-worker" in cmd]
+    workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
     assert len(workers) == 2
-    assert all(cmd[cmd.index("--backend") + 1] == "gloo" for cmd in workers)
+    assert all(w["backend"] == "gloo" and w["device"] == "cuda:0" for w in workers)
     role = json.loads(started[-1][1][CONFIG_ENV])
     assert role["backend"] == "gloo" and role["device"] == "cuda"
