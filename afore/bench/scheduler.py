@@ -331,10 +331,15 @@ def bench_holdout(kind: str, config: dict, cost: CostModel) -> list[dict]:
 
 
 def summarise_holdout(rows: list[dict]) -> dict:
-    """Per kind: targets, optimal (greedy and paper rule), certified by bound / MILP, latency."""
+    """Per kind and budget rule (B = F, B < F): targets, optimal (greedy and paper rule), certified
+    by bound / MILP, MILP time limits, latency."""
     out = {}
-    for kind in HOLDOUT_KINDS:
-        sel = [r for r in rows if r["kind"] == kind]
+    groups = [(kind, full) for kind in HOLDOUT_KINDS for full in (True, False)]
+    for kind, full in groups:
+        sel = [r for r in rows if r["kind"] == kind and (r["copy_budget"] == r["ep"]) == full]
+        if not sel:
+            continue
+        kind = f"{kind}, B {'=' if full else '<'} F"
         us = [r["core_ns"] / 1e3 for r in sel]
         out[kind] = {
             "targets": len(sel),
