@@ -47,7 +47,7 @@ SECONDS_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5
                    0.1, 0.25, 1.0, 10.0)
 COPIES_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 BYTES_BUCKETS = (0,) + tuple(4096 * 4**k for k in range(11))  # 4 KiB .. 4 GiB
-PLAN_OUTCOMES = ("used", "missed", "rejected")
+PLAN_OUTCOMES = ("used", "missed", "rejected", "mismatched")  # mismatched: plan demand != routed counts
 
 
 class _StageMs:
@@ -151,8 +151,8 @@ class FFNMetrics:
 
     def count_plan(self, outcome: str) -> None:
         """A plan ``missed`` (none by the deadline) or ``rejected`` by validation."""
-        if outcome not in ("missed", "rejected"):
-            raise ValueError(f"outcome: expected 'missed' or 'rejected', got {outcome!r}")
+        if outcome not in ("missed", "rejected", "mismatched"):
+            raise ValueError(f"outcome: expected 'missed', 'rejected' or 'mismatched', got {outcome!r}")
         self._plans[outcome].inc()
 
     def observe(self, record: MigrationRecord) -> None:

@@ -30,17 +30,19 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
 
 import msgspec
+import numpy as np
 import torch
 
 from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
-from afore.routing import bin_counts
+from afore.routing import count_demand
 from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
@@ -121,6 +123,10 @@ class FFNWorker:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            # CPU workers share the cores with each other and with vLLM: an intra-op pool per worker
+            # only adds OpenMP threads that spin after each op and starve the other processes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.num_ffn + cfg.num_attention)))
         dtype = DTYPES[cfg.dtype]
         spec = read_model_spec(cfg.model)
         self.spec = spec
@@ -211,13 +217,37 @@ class FFNWorker:
                 self.metrics.count_plan("rejected")
                 log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
                 plan = None
+        routed = self._routed_counts(mb)
+        if plan is not None and routed is not None and not np.array_equal(plan.demand, routed):
+            # the plan was made for other demand (wrong or stale report): correct either way, but
+            # its balance is not what it claims, so it is not used (and not counted as used)
+            self.metrics.count_plan("mismatched")
+            log.warning("worker %d: plan %d demand differs from the routed counts of its target", self.cfg.rank, mb.seq)
+            self.migrator.forget(plan)
+            plan = None
+        if plan is not None:
+            reason = self.migrator.commit_check(plan)
+            if reason is not None:  # veto before agreeing, never fail alone after the others committed
+                self.metrics.count_plan("rejected")
+                log.warning("worker %d: plan %d cannot commit: %s", self.cfg.rank, mb.seq, reason)
+                self.migrator.forget(plan)
+                plan = None
         ok = self.connector.agree(plan is not None)
         if ok:
             return plan
         if plan is not None:
             self.migrator.forget(plan)
-        demand = bin_counts(mb.topk_ids.reshape(-1), self.shape.num_experts).cpu().numpy()
+        demand = routed if routed is not None else count_demand(mb.topk_ids, self.shape.num_experts).cpu().numpy()
         return primary_only_plan(self.shape, demand, mb.target, mb.seq)
+
+    def _routed_counts(self, mb: Microbatch) -> np.ndarray | None:
+        """int64[E]: the valid token-expert pairs per expert of ``mb``, counted where its ids
+        are on the host (CPU workers; the shm transport keeps a host copy); None when they are
+        only on a GPU (counting would be a host sync on the step)."""
+        ids = mb.topk_ids if mb.topk_ids.device.type == "cpu" else mb.host_topk_ids
+        if ids is None:
+            return None
+        return count_demand(ids, self.shape.num_experts).numpy()
 
     def _read_ahead(self) -> None:
         """If the next target already arrived, read its plan now and submit its copies."""

@@ -207,6 +207,22 @@ class Migrator:
                                             len(jobs) + len(deferred), nbytes)
         return True
 
+    def commit_check(self, plan: Plan) -> str | None:
+        """Why ``commit(plan)`` would fail now (None: it will not): run before the FFN workers
+        agree on the plan, so that a worker that cannot commit vetoes it for everyone instead
+        of failing alone after the others committed."""
+        if plan.seq not in self.prepared:
+            return f"plan {plan.seq} was not prepared"
+        state = self.prepared[plan.seq]
+        if state.deferred:
+            return f"plan {plan.seq}: copies still deferred behind an unreleased reader"
+        pool = self.pools[plan.target.layer]
+        for s in state.reads.tolist():
+            expected = int(np.nonzero(plan.slot[:, self.worker] == s)[0][0])
+            if pool.resident[s] != expected:
+                return f"slot {s} holds expert {pool.resident[s]}, plan {plan.seq} expects {expected}"
+        return None
+
     def commit(self, plan: Plan) -> None:
         """Make the compute of ``plan``'s target wait for its still-running copies."""
         if plan.seq not in self.prepared:

@@ -51,6 +51,7 @@ class Microbatch:
     ready: object = None         # CUDA event on the receive stream (None on CPU)
     source: object = None        # lazy rows (``gather(tokens)``, ``dense()``), when hidden is None
     counter: int = 0             # transport message number
+    host_topk_ids: torch.Tensor | None = None  # the ids in host memory when topk_ids is on a GPU (shm)
 
     @property
     def num_tokens(self) -> int:

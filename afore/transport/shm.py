@@ -441,11 +441,13 @@ class ShmFFNEnd:
             weights.append(w[:n])
         # ids and weights of every sender are read whole (every worker partitions the same gathered
         # routing, eq. 11); hidden rows stay in shared memory until gather_rows
-        topk_ids = (ids[0] if len(ids) == 1 else torch.cat(ids)).to(self.device)
+        host_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        topk_ids = host_ids.to(self.device)
         topk_weights = (weights[0] if len(weights) == 1 else torch.cat(weights)).to(self.device)
         self.bytes_received += sum(splits) * lay.top_k * 8
         return Microbatch(key[1], key[0], None, topk_ids, topk_weights, splits, time.perf_counter(), None,
-                          source=_ShmRows(self, views), counter=c)
+                          source=_ShmRows(self, views), counter=c,
+                          host_topk_ids=host_ids if self.device.type != "cpu" else None)
 
     def recv(self, timeout_s: float | None = None) -> Microbatch | None:
         """The next target, or None after ``timeout_s`` (None: wait forever)."""

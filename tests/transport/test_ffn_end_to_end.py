@@ -62,6 +62,7 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
     steps, microbatches = 2, 2
     targets = [Target(s, l, b) for s in range(steps) for l in range(layers) for b in range(microbatches)]
     skipped = 5  # this target gets no plan: every worker must fall back to primary-only
+    wrong = 3    # this target's plan is made for other demand: not used, counted as mismatched
     inputs, plans, tables = [], {}, {l: SlotTable.empty(shape) for l in range(layers)}
     for seq, target in enumerate(targets):
         per_attn = []
@@ -71,6 +72,9 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
             per_attn.append((torch.randn(n, spec.hidden_size), ids, w))
         inputs.append(per_attn)
         demand = np.bincount(torch.cat([p[1] for p in per_attn]).reshape(-1).numpy(), minlength=spec.num_experts)
+        if seq == wrong:
+            demand = demand.copy()
+            demand[int(np.argmax(demand))] += 1  # a stale or wrong report
         if seq != skipped:
             plan, tables[target.layer] = random_plan(shape, demand, tables[target.layer], rng, target, seq, new_copies=2)
             plans[seq] = plan
@@ -139,8 +143,10 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
                 ref = dense_moe(hidden, ids, tw, w.w13, w.w2)
                 assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5, (seq, a)
     assert metric(text, "afore_ffn_targets_total") == len(targets)
-    assert metric(text, "afore_ffn_primary_only_targets_total") == 1
+    assert metric(text, "afore_ffn_primary_only_targets_total") == 2
     assert metric(text, "afore_ffn_plans_total", 'outcome="missed"') == 1
+    assert metric(text, "afore_ffn_plans_total", 'outcome="mismatched"') == 1
+    assert metric(text, "afore_ffn_plans_total", 'outcome="used"') == len(targets) - 2
     assert metric(text, "afore_ffn_lookahead_window_seconds_count") >= 1
 
 

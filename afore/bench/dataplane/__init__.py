@@ -1,6 +1,7 @@
 """``afore bench dataplane --part PART``: benchmarks of the data plane, one module per part.
 
-Parts: ``ffn`` (the FFN worker's step: partition, grouped GEMM, combine; ``afore.bench.dataplane.ffn``).
+Parts: ``ffn`` (the FFN worker's step: partition, grouped GEMM, combine; ``afore.bench.dataplane.ffn``),
+``transport`` (the A2F/F2A transports and decode through ``afore serve``; ``afore.bench.dataplane.transport``).
 Each part adds its own options and writes its own report under ``bench/results/``.
 """
 
@@ -12,6 +13,7 @@ import sys
 
 PARTS: dict[str, str] = {
     "ffn": "afore.bench.dataplane.ffn",
+    "transport": "afore.bench.dataplane.transport",
 }
 
 

@@ -1,0 +1,346 @@
+"""``afore bench dataplane --part transport``: the A2F/F2A transports on this machine.
+
+Three measurements, all of the real code:
+
+1. **exchange**: round trip of one target (attention send -> F FFN ends receive, read their
+   rows, reply -> attention sums), shm against torch.distributed gloo (today's dense path: every
+   FFN worker receives every token, the partials are all-reduced), for the same payloads; the
+   FFN ends are separate processes that own tokens t % F and return their rows (no expert
+   compute, so the figure is the transport alone). Bytes each way are counted by the transports.
+2. **bytes**: per layer at 256 and 2048 tokens x top-8, E = 128, F = 8, routing from the
+   synthetic skewed generator, eq. 11 partition of the primary-only plan: hidden rows the shm
+   transport moves each way against the minimum (pairs x H x dtype) and against dense dispatch.
+3. **serve** (``--serve``): decode ITL of ``afore serve`` with the shm transport, with
+   ``--transport torch-gloo`` (the previous data plane) and plain vLLM on the same checkpoint,
+   measured with vLLM's own serving client (``vllm.benchmarks.serve``), one server at a time,
+   plus the per-layer breakdown of the shm run from its stage trace (AFORE_STAGE_TRACE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from afore.plan import Target
+from afore.transport.base import ReplyRows
+
+EXCHANGE_TOKENS = (1, 4, 16, 64, 256)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("--part transport")
+    g.add_argument("--exchange-hidden", type=int, default=2048, help="hidden size of the exchange payloads (Qwen3-30B-A3B: 2048)")
+    g.add_argument("--exchange-reps", type=int, default=200, help="round trips per payload and transport")
+    g.add_argument("--serve", action="store_true", help="also measure decode ITL through afore serve and plain vLLM")
+    g.add_argument("--serve-requests", type=int, default=24)
+    g.add_argument("--serve-concurrency", type=int, default=4)
+    g.add_argument("--serve-rounds", type=int, default=2, help="benchmark rounds per server")
+
+
+# ------------------------------------------------------------------ 1. exchange
+
+
+def _ffn_echo(kind: str, name_or_port, num_ffn: int, rank: int, hidden: int, top_k: int, max_tokens: int, n_targets: int):
+    torch.set_num_threads(1)
+    if kind == "shm":
+        from afore.transport.shm import ShmFFNEnd, ShmLayout
+
+        end = ShmFFNEnd(name_or_port, ShmLayout(num_attention=1, num_ffn=num_ffn, hidden=hidden, top_k=top_k,
+                                                max_tokens=max_tokens, depth=2), rank, timeout_s=300)
+    else:
+        from afore.transport.connector import FFNConnector, TransportConfig
+
+        end = FFNConnector(TransportConfig("127.0.0.1", name_or_port, 1, num_ffn, hidden, top_k, timeout_s=300), rank)
+    for _ in range(n_targets):
+        mb = end.recv(300.0)
+        n = mb.num_tokens
+        mine = torch.arange(n)[torch.arange(n) % num_ffn == rank]
+        rows = mb.rows_for(mine).index_select(0, mine)
+        end.send(mb, ReplyRows(mine, rows))
+    time.sleep(0.5)
+    end.close()
+    os._exit(0)
+
+
+def measure_exchange(hidden: int, top_k: int, num_ffn: int, reps: int, kind: str) -> list[dict]:
+    """Round-trip times (us) per payload size for one transport."""
+    from afore.ports import free_port
+
+    torch.set_num_threads(1)  # the attention end shares the cores with the FFN ends (no spinning OpenMP pool)
+    ctx = mp.get_context("spawn")
+    max_tokens = max(EXCHANGE_TOKENS)
+    n_targets = len(EXCHANGE_TOKENS) * (reps + 10)
+    seg = None
+    if kind == "shm":
+        from afore.transport.shm import ShmAttentionEnd, ShmLayout, ShmSegment
+
+        name = f"afore-bench-dp-{os.getpid()}"
+        layout = ShmLayout(num_attention=1, num_ffn=num_ffn, hidden=hidden, top_k=top_k, max_tokens=max_tokens, depth=2)
+        seg = ShmSegment.create(name, layout)
+        arg = name
+    else:
+        from afore.transport.connector import AttentionConnector, TransportConfig
+
+        arg = free_port()
+    procs = [ctx.Process(target=_ffn_echo, args=(kind, arg, num_ffn, f, hidden, top_k, max_tokens, n_targets))
+             for f in range(num_ffn)]
+    for p in procs:
+        p.start()
+    try:
+        if kind == "shm":
+            end = ShmAttentionEnd(arg, layout, 0, timeout_s=300)
+        else:
+            end = AttentionConnector(TransportConfig("127.0.0.1", arg, 1, num_ffn, hidden, top_k, timeout_s=300), 0)
+        rows, seq = [], 0
+        for n in EXCHANGE_TOKENS:
+            x = torch.randn(n, hidden)
+            ids = torch.zeros(n, top_k, dtype=torch.int32)
+            w = torch.ones(n, top_k)
+            times = []
+            for i in range(reps + 10):
+                t0 = time.perf_counter()
+                out = end.exchange(Target(seq, 0, 0), seq, x, ids, w)
+                if i >= 10:
+                    times.append((time.perf_counter() - t0) * 1e6)
+                seq += 1
+            assert torch.equal(out, x), "exchange returned wrong rows"
+            payload = n * (hidden * 4 + top_k * 8)
+            a2f = payload if kind == "shm" else payload * num_ffn  # shm: written once; gloo: sent to every worker
+            rows.append({"transport": "shm" if kind == "shm" else "gloo", "tokens": n, "hidden": hidden,
+                         "p50_us": statistics.median(times), "p99_us": float(np.percentile(times, 99)),
+                         "a2f_bytes_sent": a2f, "f2a_bytes": n * hidden * 4 + (n * 4 if kind == "shm" else 0)})
+            print(f"  {rows[-1]['transport']:4s} {n:5d} tokens: p50 {rows[-1]['p50_us']:8.1f} us, "
+                  f"p99 {rows[-1]['p99_us']:8.1f} us", file=sys.stderr)
+        end.close()
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        if seg is not None:
+            seg.close()
+    return rows
+
+
+# ------------------------------------------------------------------ 2. bytes
+
+
+def measure_bytes(hidden: int = 2048, top_k: int = 8, num_experts: int = 128, num_ffn: int = 8,
+                  dtype_bytes: int = 2, seed: int = 0) -> list[dict]:
+    """Hidden-row bytes per layer each way under the shm transport's sparse dispatch, from the
+    real eq. 11 partition of the primary-only plan (``afore.ffn.partition.worker_mask``)."""
+    from afore.config import ClusterShape
+    from afore.ffn.partition import worker_mask
+    from afore.ffn.reference import random_routing
+    from afore.plan import primary_only_plan
+
+    shape = ClusterShape(num_experts=num_experts, num_workers=num_ffn, num_layers=1, redundant_slots=2, top_k=top_k)
+    owner = torch.as_tensor(shape.primary_owner, dtype=torch.int64)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in (256, 2048):
+        for skew in (0.0, 1.2):
+            ids, _w = random_routing(n, shape, rng, skew=skew)
+            demand = np.bincount(ids.reshape(-1).numpy(), minlength=num_experts)
+            plan = primary_only_plan(shape, demand, Target(0, 0, 0), 0)
+            assignment = torch.from_numpy(plan.assignment.copy())
+            touched = sum(int(worker_mask(ids, assignment, owner, f).view(n, top_k).any(1).sum()) for f in range(num_ffn))
+            pairs = n * top_k
+            row = hidden * dtype_bytes
+            rows.append({"tokens": n, "top_k": top_k, "skew": skew, "pairs": pairs,
+                         "min_bytes": pairs * row,                       # every pair's row, each way
+                         "shm_a2f_bytes": touched * row, "shm_f2a_bytes": touched * row,
+                         "dense_a2f_bytes": num_ffn * n * row,           # every token to every worker
+                         "dense_f2a_bytes": 2 * (num_ffn - 1) * n * row // num_ffn + n * row,  # ring all-reduce + reply
+                         "shm_over_min": touched / pairs})
+    return rows
+
+
+# ------------------------------------------------------------------ 3. serve
+
+
+def _serve_one(name: str, command: list[str], url: str, model: str, requests: int, concurrency: int, rounds: int,
+               log_dir: Path, env: dict | None = None) -> dict:
+    from afore.bench.serve import Prompt, run_load, stop_server, wait_ready
+
+    log = open(log_dir / f"{name}.log", "ab")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    try:
+        print(f"afore bench dataplane: starting {name}: {' '.join(command)}", file=sys.stderr)
+        wait_ready(url, 900, proc)
+        rng = np.random.default_rng(0)
+        results = []
+        for r in range(rounds):
+            # random 64-token prompts (vLLM's random data set style), 32 output tokens each
+            prompts = [Prompt(" ".join(str(int(t)) for t in rng.integers(0, 1000, 64)), 32) for _ in range(requests)]
+            results.append(asyncio.run(run_load(url, model, prompts, concurrency, True, 2, f"{name} round {r}")))
+        return {"command": command, "rounds": results}
+    finally:
+        stop_server(proc)
+        log.close()
+
+
+def measure_serve(args, log_dir: Path) -> dict:
+    from afore.models.tiny import build_tiny_checkpoint
+    from afore.ports import free_port
+
+    model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
+    trace = log_dir / "stages"
+    for f in log_dir.glob("stages*"):
+        f.unlink()
+    out = {}
+    common = ["--model", model, "--dtype", "float32", "--max-model-len", "512"]
+    servers = [
+        ("afore-shm", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--verbose", *common],
+         {"AFORE_STAGE_TRACE": str(trace)}),
+        ("afore-torch-gloo", [sys.executable, "-m", "afore.cli", "serve", "--transport", "torch-gloo", "--verbose", *common], None),
+        ("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--seed", "0"], None),
+    ]
+    for name, cmd, env in servers:
+        port = free_port()
+        cmd = [*cmd, "--port", str(port)]
+        out[name] = _serve_one(name, cmd, f"http://127.0.0.1:{port}", model, args.serve_requests,
+                               args.serve_concurrency, args.serve_rounds, log_dir, env)
+    out["breakdown"] = stage_breakdown(trace)
+    return out
+
+
+def stage_breakdown(trace: Path) -> dict:
+    """Mean per-layer times (us) from the attention side's stage trace (afore.attention.stages)."""
+    from afore.attention.stages import COLUMNS
+
+    files = sorted(trace.parent.glob(trace.name + ".*.csv"))
+    if not files:
+        return {}
+    data = np.concatenate([np.loadtxt(f, delimiter=",", skiprows=1, ndmin=2, dtype=np.int64) for f in files])
+    col = {c: i for i, c in enumerate(COLUMNS)}
+    decode = data[(data[:, col["tokens"]] > 0) & (data[:, col["tokens"]] <= 8)]
+    out = {}
+    for layer in sorted(set(decode[:, col["layer"]].tolist())):
+        d = decode[decode[:, col["layer"]] == layer]
+        first = d[d[:, col["microbatch"]] == 0]
+        out[int(layer)] = {
+            "targets": int(len(d)),
+            "attention_us": float(np.mean(first[:, col["enter_ns"]] - first[:, col["prev_exit_ns"]]) / 1e3) if layer else None,
+            "demand_us": float(np.mean(d[:, col["demand_ns"]] - d[:, col["enter_ns"]]) / 1e3),
+            "a2f_us": float(np.mean(d[:, col["sent_ns"]] - d[:, col["demand_ns"]]) / 1e3),
+            "wait_f2a_us": float(np.mean(d[:, col["done_ns"]] - d[:, col["recv_start_ns"]]) / 1e3),
+            "a2f_bytes": float(np.mean(d[:, col["a2f_bytes"]])), "f2a_bytes": float(np.mean(d[:, col["f2a_bytes"]])),
+        }
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir or "bench/results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = args.name or "dataplane_transport_cpu"
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print("afore bench dataplane --part transport: exchange round trips (shm, gloo)", file=sys.stderr)
+    exchange = []
+    for kind in ("shm", "gloo"):
+        exchange += measure_exchange(args.exchange_hidden, 8, 2, args.exchange_reps, kind)
+    print("afore bench dataplane --part transport: bytes per layer", file=sys.stderr)
+    bytes_rows = measure_bytes()
+    serve = measure_serve(args, out_dir / "tmp") if args.serve else None
+    result = {"command": "afore bench dataplane --part transport " + " ".join(sys.argv[1:]), "date": started,
+              "hardware": {"machine": platform.machine(), "cpus": os.cpu_count(), "processor": platform.processor()},
+              "measured": ["exchange", "serve"], "computed_from_partition": ["bytes"],
+              "exchange": exchange, "bytes": bytes_rows, "serve": serve}
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out_dir / f"{name}.md").write_text(markdown(result))
+    plot(result, out_dir / f"{name}.png")
+    print(f"wrote {out_dir / name}.json/.md/.png", file=sys.stderr)
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Data plane: transports on {r['hardware']['cpus']} CPUs ({r['hardware']['machine']})", "",
+             f"Command: `{r['command']}`  ", f"Date: {r['date']}  ",
+             "Measured on this machine: exchange round trips and serving; bytes are counted from the real "
+             "eq. 11 partition (no timing).", "",
+             "## Exchange round trip (A=1, F=2 processes, no expert compute)", "",
+             "| transport | tokens | hidden | p50 us | p99 us | A2F bytes sent | F2A bytes |", "|---|---|---|---|---|---|---|"]
+    for e in r["exchange"]:
+        lines.append(f"| {e['transport']} | {e['tokens']} | {e['hidden']} | {e['p50_us']:.1f} | {e['p99_us']:.1f} | "
+                     f"{e['a2f_bytes_sent']:,} | {e['f2a_bytes']:,} |")
+    lines += ["", "## Hidden-row bytes per layer, each way (E=128, F=8, top-8, bf16, H=2048, primary-only plan)", "",
+              "| tokens | skew | minimum (pairs x H x 2) | shm A2F | shm F2A | shm / minimum | dense A2F | dense F2A |",
+              "|---|---|---|---|---|---|---|---|"]
+    for b in r["bytes"]:
+        lines.append(f"| {b['tokens']} | {b['skew']} | {b['min_bytes']:,} | {b['shm_a2f_bytes']:,} | {b['shm_f2a_bytes']:,} | "
+                     f"{b['shm_over_min']:.3f} | {b['dense_a2f_bytes']:,} | {b['dense_f2a_bytes']:,} |")
+    lines += ["", "shm moves a token's row once to each worker that computes one of its pairs (so at most the "
+              "minimum; less when a worker computes several of a token's experts); dense moves every token to "
+              "every worker and all-reduces [N, H] over F.", ""]
+    s = r.get("serve")
+    if s:
+        lines += ["## Decode through the HTTP API (tiny Qwen3-MoE, float32, A=1, F=2; vLLM's serving client: "
+                  "random 64-token prompts, 32 output tokens, 24 requests, concurrency 4)", "",
+                  "| server | round | median ITL ms | p99 ITL ms | median TPOT ms | output tok/s |", "|---|---|---|---|---|---|"]
+        for name in ("afore-shm", "afore-torch-gloo", "vllm"):
+            for i, rr in enumerate(s[name]["rounds"]):
+                lines.append(f"| {name} | {i} | {rr['itl_ms']['p50']:.2f} | {rr['itl_ms']['p99']:.2f} | "
+                             f"{rr['tpot_ms']['p50']:.2f} | {rr['output_throughput']:.0f} |")
+        v = statistics.median(rr["itl_ms"]["p50"] for rr in s["vllm"]["rounds"])
+        a = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm"]["rounds"])
+        v99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["vllm"]["rounds"])
+        a99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["afore-shm"]["rounds"])
+        lines += ["", f"afore (shm) median ITL / plain vLLM: **{a / v:.2f}x** (target <= 2x); p99: **{a99 / v99:.2f}x** "
+                  "(target <= 3x).", ""]
+        if s.get("breakdown"):
+            lines += ["### Per-layer breakdown of the afore-shm run (attention side, decode targets, mean us)", "",
+                      "| MoE layer | targets | attention before it | demand emit | A2F post | wait for F2A | A2F bytes | F2A bytes |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for layer, b in s["breakdown"].items():
+                att = "-" if b["attention_us"] is None else f"{b['attention_us']:.0f}"
+                lines.append(f"| {layer} | {b['targets']} | {att} | {b['demand_us']:.0f} | {b['a2f_us']:.0f} | "
+                             f"{b['wait_f2a_us']:.0f} | {b['a2f_bytes']:.0f} | {b['f2a_bytes']:.0f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in ("shm", "gloo"):
+        rows = [e for e in r["exchange"] if e["transport"] == kind]
+        ax[0].plot([e["tokens"] for e in rows], [e["p50_us"] for e in rows], "o-", label=f"{kind} p50")
+        ax[0].plot([e["tokens"] for e in rows], [e["p99_us"] for e in rows], "x--", label=f"{kind} p99")
+    ax[0].set_xscale("log")
+    ax[0].set_yscale("log")
+    ax[0].set_xlabel("tokens per target")
+    ax[0].set_ylabel("round trip (us)")
+    ax[0].set_title("exchange, A=1 F=2 (measured)")
+    ax[0].legend()
+    labels = [f"{b['tokens']}/skew {b['skew']}" for b in r["bytes"]]
+    xs = np.arange(len(labels))
+    for i, (key, lab) in enumerate((("min_bytes", "minimum"), ("shm_a2f_bytes", "shm"), ("dense_a2f_bytes", "dense"))):
+        ax[1].bar(xs + i * 0.27, [b[key] / 1e6 for b in r["bytes"]], 0.27, label=lab)
+    ax[1].set_xticks(xs + 0.27, labels)
+    ax[1].set_ylabel("A2F MB per layer")
+    ax[1].set_title("bytes per layer, F=8 (counted)")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
