@@ -102,3 +102,23 @@ def test_afore_calibrate_writes_the_lookup_file_and_refuses_bad_input(calibratio
     assert "bytes_per_expert" in capsys.readouterr().err
     assert _cli(["--measure"]) == 2
     assert "hidden" in capsys.readouterr().err
+
+
+def test_afore_scheduler_and_afore_serve_find_the_calibration_of_their_shape(calibration_dir):
+    import argparse
+
+    from afore.scheduler.calibration import serving_cost_model
+    from afore.scheduler.service_cli import add_arguments as scheduler_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    scheduler_arguments(parser)
+    shape = "E=128,F=8,L=4,R=2,M=16,K=8"
+    assert config_from_args(parser.parse_args(["--shape", shape])).cost == CostModel()  # nothing to look up
+    cal = Calibration("cpu", QWEN3_30B, CostModel(beta_tile_ms=0.02, window_ms=0.7), "measured")
+    write_calibration(cal)
+    got = config_from_args(parser.parse_args(["--shape", shape, "--expert", "2048,768,bfloat16", "--device", "cpu"]))
+    assert got.cost == cal.cost
+    with pytest.raises(ValueError, match="expert"):
+        config_from_args(parser.parse_args(["--shape", shape, "--expert", "2048"]))
+    assert serving_cost_model("", "cpu", 2048, 768, "bfloat16", 16) == cal.cost
+    assert serving_cost_model("", "cpu", 2048, 1536, "bfloat16", 16) == CostModel()  # another shape: defaults
