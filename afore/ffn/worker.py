@@ -157,6 +157,12 @@ class FFNWorker:
             wait_for_segment(cfg.plan_ring, cfg.timeout_s)
             plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape)
         self.plan_source = plan_source
+        # the measured lookahead windows, fed back to the scheduler (afore.scheduler.window_feedback)
+        self.window_reporter = None
+        if cfg.plan_ring:
+            from afore.scheduler.window_feedback import WindowReporter
+
+            self.window_reporter = WindowReporter.for_ring(cfg.plan_ring, cfg.rank)
         self.connector = self._connect()
         if self.device.type == "cuda":
             from afore.migrator.peers import open_peer_pools, publish_pools
@@ -284,6 +290,8 @@ class FFNWorker:
             self.migrator.release(plan)
         for record in self.migrator.drain_records():
             self.metrics.observe(record)
+            if self.window_reporter is not None:
+                self.window_reporter.report(record.window_ms)
         self.connector.send(mb, reply)
         self.metrics.observe_target(plan, stage_s=time.perf_counter() - t0, queued=self.connector.queued)
         return reply
@@ -315,6 +323,8 @@ class FFNWorker:
             log.info("worker %d stopped: %s", self.cfg.rank, self.metrics.summary())
 
     def close(self) -> None:
+        if self.window_reporter is not None:
+            self.window_reporter.close()
         self.migrator.close()
         self.connector.close()
         if self.plan_source is not None:
