@@ -477,7 +477,7 @@ class Launcher:
 
     def server_command(self) -> list[str]:
         opts = self.opts
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        cmd = [sys.executable, "-m", "afore.serve.vllm_server", "--model", self.model,  # vLLM's API server, quiet stop
                "--host", opts.host, "--port", str(opts.port), "--max-model-len", str(opts.max_model_len),
                "--max-num-batched-tokens", str(batched_tokens(opts)),
                "--dtype", self.dtype or opts.dtype, "--seed", str(opts.seed)]
