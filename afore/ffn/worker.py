@@ -163,6 +163,18 @@ class FFNWorker:
             from afore.scheduler.window_feedback import WindowReporter
 
             self.window_reporter = WindowReporter.for_ring(cfg.plan_ring, cfg.rank)
+        # this worker's slots, reported when a target ran without the scheduler's plan (slot_sync)
+        self.slot_reporter = None
+        if cfg.plan_ring:
+            from afore.scheduler.slot_sync import SlotReporter
+
+            self.slot_reporter = SlotReporter.for_ring(cfg.plan_ring, cfg.rank, self.shape.num_layers,
+                                                       self.shape.redundant_slots)
+        # CUDA graphs of every token bucket now, before the transport's receive thread starts
+        # (its CUDA calls during a capture would invalidate it), not on the first steps
+        self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
+        for layer in self.layers.values():
+            layer.capture_graphs()
         self.connector = self._connect()
         if self.device.type == "cuda":
             from afore.migrator.peers import open_peer_pools, publish_pools
@@ -175,7 +187,6 @@ class FFNWorker:
         self.migrator = Migrator(self.shape, cfg.rank, self.pools,
                                  make_copy_engine(self.device, delay_s=cfg.copy_delay_ms / 1e3,
                                                   max_gbps=cfg.copy_rate_gbps or None), source)
-        self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
         self._owner = torch.as_tensor(self.shape.primary_owner, dtype=torch.int64, device=self.device)
         self.metrics = FFNMetrics(cfg.rank, self.shape)
         if cfg.metrics_port:
@@ -219,7 +230,7 @@ class FFNWorker:
             plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3)
             if plan is None:
                 self.metrics.count_plan("missed")
-            elif not self.migrator.prepare(plan, expected_seq=mb.seq, expected_target=mb.target):
+            elif not self._accept(plan, mb):
                 self.metrics.count_plan("rejected")
                 log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
                 plan = None
@@ -243,6 +254,9 @@ class FFNWorker:
             return plan
         if plan is not None:
             self.migrator.forget(plan)
+        if self.slot_reporter is not None and self.plan_source is not None:
+            # the scheduler projected this plan's copies onto every worker: tell it what this one holds
+            self.slot_reporter.report(mb.seq, {layer: rows.astype(np.int32) for layer, rows in self.migrator.projected.items()})
         demand = routed if routed is not None else count_demand(mb.topk_ids, self.shape.num_experts).cpu().numpy()
         return primary_only_plan(self.shape, demand, mb.target, mb.seq)
 
@@ -255,13 +269,27 @@ class FFNWorker:
             return None
         return count_demand(ids, self.shape.num_experts).numpy()
 
+    def _accept(self, plan: Plan, mb: Microbatch) -> bool:
+        """Validate ``plan`` for ``mb`` and submit its copies (Migrator.prepare), then stage it on
+        the device for the FFN step (FFNLayer.stage_plan: host-side checks happen here, when the
+        plan arrives, not on the step). False: rejected (``migrator.last_rejection`` says why)."""
+        if not self.migrator.prepare(plan, expected_seq=mb.seq, expected_target=mb.target):
+            return False
+        try:
+            self.layers[plan.target.layer].stage_plan(plan)
+        except ValueError as exc:
+            self.migrator.forget(plan)
+            self.migrator.last_rejection = str(exc)
+            return False
+        return True
+
     def _read_ahead(self) -> None:
         """If the next target already arrived, read its plan now and submit its copies."""
         nxt = self.connector.peek()
         if nxt is None or nxt.seq in self._early or self.plan_source is None:
             return
         plan = self._read_plan(nxt, 0.0)
-        if plan is not None and not self.migrator.prepare(plan, expected_seq=nxt.seq, expected_target=nxt.target):
+        if plan is not None and not self._accept(plan, nxt):
             self.metrics.count_plan("rejected")
             plan = None
         if plan is not None:
@@ -325,6 +353,8 @@ class FFNWorker:
     def close(self) -> None:
         if self.window_reporter is not None:
             self.window_reporter.close()
+        if self.slot_reporter is not None:
+            self.slot_reporter.close()
         self.migrator.close()
         self.connector.close()
         if self.plan_source is not None:

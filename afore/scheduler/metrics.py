@@ -99,6 +99,8 @@ class SchedulerMetrics:
                                   ("policy",), registry=r, multiprocess_mode="livemax").labels(*p)
         self.policy_gauge.set(1)
         self.plans = counter("afore_scheduler_plans", "plans published", "policy").labels(*p)
+        self.resyncs = counter("afore_scheduler_slot_resyncs", "projected slot tables replaced by an FFN worker's "
+                               "reported ones (after a target ran without the scheduler's plan)", "policy").labels(*p)
         self.misses = _Bound(counter("afore_scheduler_plan_misses", "targets without a plan, by reason",
                                      "policy", "reason"), *p)
         for reason in MISS_REASONS:  # exported from 0, so a rate exists before the first miss

@@ -30,6 +30,8 @@ from afore.scheduler.metrics import SchedulerMetrics
 from afore.plan import Target
 from afore.scheduler.policies import Observation, make_policy
 from afore.scheduler.plan_ring import PlanRing, PublishTimeout
+from afore.scheduler.slot_sync import SlotSync
+from afore.scheduler.slot_sync import segment_name as slot_segment_name
 from afore.scheduler.window_feedback import WindowFeedback, segment_name
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,16 @@ class SchedulerService:
             self.ring.close()
             self.mailbox.close()
             raise
+        # The FFN workers' slot tables when they drift from the projection (slot_sync).
+        try:
+            self.slots = SlotSync(slot_segment_name(c.ring), c.shape.num_workers, c.shape.num_layers,
+                                  c.shape.redundant_slots)
+        except BaseException:
+            self.window.close()
+            self.ring.close()
+            self.mailbox.close()
+            raise
+        self.resyncs = 0
         self.metrics_port: int | None = None
         self.receiver: DemandReceiver | None = None
         self._receiver_mailbox: DemandMailbox | None = None
@@ -183,6 +195,7 @@ class SchedulerService:
             self._receiver_mailbox.close()
         self.metrics.shutdown()
         self.window.close()
+        self.slots.close()
         self.ring.close()
         self.mailbox.close()
 
@@ -197,6 +210,7 @@ class SchedulerService:
         if got is None:
             return 0
         self._follow_measured_window()
+        self._resync_slot_tables()
         t0 = time.perf_counter()
         try:
             plan = self.policy.plan(Observation(got.target, got.seq, got.demand))
@@ -222,6 +236,21 @@ class SchedulerService:
         self.metrics.observe_plan(plan)
         self.published += 1
         return 1
+
+    def _resync_slot_tables(self) -> None:
+        """A worker ran a target without the scheduler's plan (its epoch moved): its reported
+        redundant slots replace its row of every layer's projected table, so later plans build
+        on what it holds (otherwise plans are refused again and again after one failed agreement)."""
+        for worker, through, tables in self.slots.changed():
+            for layer in range(self.config.shape.num_layers):
+                table = self.policy.layer(layer).table
+                moved = table.expert[worker] != tables[layer]
+                if moved.any():
+                    table.expert[worker] = tables[layer]
+                    table.last_used[worker, moved] = -1  # no history for slots learnt of this way
+            self.resyncs += 1
+            self.metrics.resyncs.inc()
+            log.info("slot tables of FFN worker %d re-synced (its report through seq %d)", worker, through)
 
     def _follow_measured_window(self) -> None:
         """Plan with the FFN workers' measured window W_t once they report one (it moves by more

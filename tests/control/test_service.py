@@ -214,3 +214,46 @@ def test_a_policy_error_costs_one_target_not_the_service(seg_name):
         source.close()
         producer.close()
         service.stop()
+
+
+def test_a_worker_that_skipped_a_plan_resyncs_the_projected_slot_table(seg_name):
+    """Worker 1 never applied the copies of a plan (its agreement failed): it reports its slots,
+    the scheduler replaces its projected row, and every later plan is valid against what the
+    worker really holds (check_plan from the reported table), so it can be used again."""
+    from afore.plan import SlotTable
+    from afore.scheduler.slot_sync import SlotReporter, segment_name
+
+    shape = ClusterShape(num_experts=16, num_workers=2, num_layers=1, redundant_slots=2, m_tile=1, top_k=2)
+    cfg = config(seg_name, shape=shape, num_producers=1)
+    service = SchedulerService(cfg)
+    producer = DemandMailbox.attach(cfg.mailbox)
+    reporter = SlotReporter(segment_name(cfg.ring), 1, 1, 2)
+    hot = np.zeros(16, dtype=np.int32)
+    hot[:2] = 40  # both hot experts are primaries of worker 0: the plan replicates them onto worker 1
+
+    def plan_once(step, demand):
+        producer.put(Target(step, 0, 0), 0, demand)
+        assert service.step(timeout_s=2.0) == 1
+        return service.policy.layer(0).table.copy()
+
+    try:
+        projected = plan_once(0, hot)
+        assert (projected.expert[1] >= 0).any(), "the skewed demand should have made copies onto worker 1"
+        actual = SlotTable.empty(shape)  # worker 1 holds nothing: it never made those copies
+        reporter.report(0, {0: actual.expert[1].copy()})
+        demand = hot.copy()
+        demand[2:4] = 30
+        before = service.policy.layer(0).table.copy()
+        plan_once(1, demand)
+        assert service.resyncs == 1
+        plan = service.policy.layer(0).last_plan
+        # valid against the worker's real table: no replica read that worker 1 does not hold or copy in
+        real = SlotTable(before.expert.copy(), before.last_used.copy())
+        real.expert[1] = actual.expert[1]
+        check_plan(shape, plan, table_before=real)
+        plan_once(2, demand)  # no new report: no new re-sync
+        assert service.resyncs == 1
+    finally:
+        reporter.close()
+        producer.close()
+        service.close()
