@@ -170,10 +170,10 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     # bound L, a second search aimed at L, and the better of the two (the first on ties).
     f0 = beta * int(load.max())
     search = (shape, inp, params, cost, f0, tiles, load, has, binding)
-    best_gain, best_exposed, best = search_beyond(*search, level=None)
     level = average_bound(k, f)
+    best_gain, best_exposed, best = search_beyond(*search, level=None, floor=level)
     if params.chains and int(best[1].max()) > level:
-        gain, exposed, other = search_beyond(*search, level=level)
+        gain, exposed, other = search_beyond(*search, level=level, floor=level)
         if gain > best_gain:
             best_gain, best_exposed, best = gain, exposed, other
     tiles, load, has, binding, copies = best
@@ -202,7 +202,7 @@ def average_bound(k: np.ndarray, num_workers: int) -> int:
 
 def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost: CostModel, f0: float,
                   tiles: np.ndarray, load: np.ndarray, has: np.ndarray, binding: np.ndarray,
-                  level: int | None) -> tuple[float, float, tuple]:
+                  level: int | None, floor: int) -> tuple[float, float, tuple]:
     """Stage 3 from the state after stage 2 (not mutated): (gain, exposed, best candidate).
 
     The candidate is (tiles, load, has, binding, copies) with the largest net gain > 0, else the
@@ -211,6 +211,10 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
     to L: q = min(q, max(theta + 1, L - T_c)). The paper's q (half the gap) lets early copies of a
     hot expert overshoot the level the pool ends at, so that where slots are scarce (cold tables,
     R = 1, bursts) the last overloaded workers find no receiver with a free slot.
+
+    The search stops once the max tile load reaches ``floor`` (the average bound): no later
+    candidate can gain more (its max load is no lower, its exposed cost no smaller), so this only
+    saves time; the paper's search would go on until no move is left.
     """
     f = shape.num_workers
     owner, pcount = shape.primary_owner, shape.primary_counts
@@ -263,6 +267,8 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
         if gain > best_gain:
             best = (tiles.copy(), load.copy(), has.copy(), binding.copy(), list(copies))
             best_gain, best_exposed = gain, exposed
+        if int(load.max()) <= floor:
+            break
     return best_gain, best_exposed, best
 
 

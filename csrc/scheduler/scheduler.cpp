@@ -593,16 +593,16 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
   // and the better of the two (the first on ties).
   const double f0 = in.beta_tile_ms * static_cast<double>(load_[donors_[0]]);
   double best_gain = 0.0, best_exposed = 0.0;
-  search_beyond(in, f0, -1, best_gain, best_exposed);
-  beyond_moves_ = searched_moves_;
   int64_t total_tiles = 0;
   for (int64_t x = 0; x < E_; ++x) total_tiles += k_[x];
   const int64_t level = (total_tiles + F_ - 1) / F_;
+  search_beyond(in, f0, -1, level, best_gain, best_exposed);
+  beyond_moves_ = searched_moves_;
   if (in.chains && load_[donors_[0]] > level) {
     kept_.assign(moves_.begin(), moves_.end());
     undo_moves(0);
     double gain = 0.0, exposed = 0.0;
-    search_beyond(in, f0, level, gain, exposed);
+    search_beyond(in, f0, level, level, gain, exposed);
     beyond_moves_ += searched_moves_;
     if (gain > best_gain) {
       best_gain = gain;
@@ -622,9 +622,10 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
 // One search of stage 3 from the current state: moves go to the undo log moves_, and the state
 // is left at the candidate with the best net gain > 0 (gain, exposed), else where it started.
 // level < 0: the paper's search (plus chains); else aimed at that tile load: a move onto a new
-// replica fills its receiver at most to it.
-void Scheduler::search_beyond(const ScheduleInputs& in, double f0, int64_t level, double& best_gain,
-                              double& best_exposed) {
+// replica fills its receiver at most to it. The search stops once the max load reaches `floor`
+// (the average bound): no later candidate can gain more, so the result is the same.
+void Scheduler::search_beyond(const ScheduleInputs& in, double f0, int64_t level, int64_t floor,
+                              double& best_gain, double& best_exposed) {
   const int64_t theta = in.theta;
   const double beta = in.beta_tile_ms;
   int32_t e, h, c, r, n_hops = 0;
@@ -675,6 +676,7 @@ void Scheduler::search_beyond(const ScheduleInputs& in, double f0, int64_t level
       best_exposed = exposed;
       best_len = moves_.size();
     }
+    if (load_[donors_[0]] <= floor) break;
   }
   searched_moves_ = static_cast<int64_t>(moves_.size());
   undo_moves(best_len);

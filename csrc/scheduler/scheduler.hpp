@@ -79,8 +79,8 @@ class Scheduler {
   bool find_within_move(int64_t theta, int32_t& e, int32_t& h, int32_t& c, int64_t& q);
   void unstick_after_move(int64_t theta, int32_t h, int32_t c);
   void rebalance_within(int64_t theta, bool chains);
-  void search_beyond(const ScheduleInputs& in, double f0, int64_t level, double& best_gain,
-                     double& best_exposed);
+  void search_beyond(const ScheduleInputs& in, double f0, int64_t level, int64_t floor,
+                     double& best_gain, double& best_exposed);
   void redo_move(const Move& m);
   void undo_moves(size_t keep);
   int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
