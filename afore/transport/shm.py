@@ -267,13 +267,20 @@ def _wait_word(seg: ShmSegment, region: str, index: int, want: int, deadline: fl
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and has not exited: an exited child that its parent has not reaped
+    yet (a zombie, e.g. while ``afore serve`` is still stopping vLLM) still answers kill(0)."""
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill(0)
+    return state not in (b"Z", b"X")
 
 
 @dataclasses.dataclass

@@ -122,16 +122,29 @@ def test_agreement_is_unanimous_on_every_worker():
         seg.close()
 
 
-def test_dead_ffn_worker_fails_the_exchange_at_once():
+@pytest.mark.parametrize("reaped", [True, False])
+def test_dead_ffn_worker_fails_the_exchange_at_once(reaped):
+    """Also while the dead worker is a zombie (its parent has not reaped it yet: kill(0) still
+    succeeds), as when afore serve is busy stopping vLLM."""
     layout = ShmLayout(num_attention=1, num_ffn=2, hidden=H, top_k=K, max_tokens=4, depth=2)
-    name = _name("dead")
+    name = _name(f"dead{int(reaped)}")
     seg = ShmSegment.create(name, layout)
-    procs, _q = _start(name, layout, targets=1)  # each answers one target, then exits
+    procs, q = _start(name, layout, targets=1)  # each answers one target, then exits
     try:
         end = ShmAttentionEnd(name, layout, 0, timeout_s=60, poll_s=0.05)
         end.exchange(Target(0, 0, 0), 0, torch.ones(1, H), torch.zeros(1, K, dtype=torch.int32), torch.ones(1, K))
+        for _ in procs:
+            q.get(timeout=120)
         for p in procs:
-            p.join(10)
+            if reaped:
+                p.join(10)
+            else:  # wait for the exit without reaping
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    with open(f"/proc/{p.pid}/stat", "rb") as fh:
+                        if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                            break
+                    time.sleep(0.01)
         sent = end.send(Target(1, 0, 0), 1, torch.ones(1, H), torch.zeros(1, K, dtype=torch.int32), torch.ones(1, K))
         t0 = time.monotonic()
         with pytest.raises(PeerGone, match="exited"):
@@ -139,6 +152,8 @@ def test_dead_ffn_worker_fails_the_exchange_at_once():
         assert time.monotonic() - t0 < 2.0  # not the 60 s timeout
         end.close()
     finally:
+        for p in procs:
+            p.join(10)
         seg.close()
 
 
