@@ -28,6 +28,8 @@ import struct
 
 import numpy as np
 
+from afore.scheduler.window_feedback import segment_path
+
 _HEADER = struct.Struct("<8sIIII")  # magic, version, workers, layers, slots
 MAGIC, VERSION = b"AFSLOTS1", 1
 HEADER_BYTES = 64
@@ -37,12 +39,6 @@ _FIELDS = 4  # int64 words before the table
 def segment_name(ring: str) -> str:
     """The slot-sync segment of the plan ring ``ring``."""
     return f"{ring}-slots"
-
-
-def _path(name: str) -> str:
-    if not name or "/" in name or name.startswith("."):
-        raise ValueError(f"name: expected a segment name without '/', got {name!r}")
-    return f"/dev/shm/{name}"
 
 
 def _record_bytes(layers: int, slots: int) -> int:
@@ -74,7 +70,7 @@ class SlotSync:
         if min(workers, layers) < 1 or slots < 0:
             raise ValueError(f"shape: expected workers, layers >= 1 and slots >= 0, got {workers}, {layers}, {slots}")
         self.name, self.shape = name, (workers, layers, slots)
-        path = _path(name)
+        path = segment_path(name)
         try:
             os.unlink(path)  # a crashed run's segment
         except FileNotFoundError:
@@ -109,7 +105,7 @@ class SlotSync:
         self._seg.map.close()
         self._seg = None
         try:
-            os.unlink(_path(self.name))
+            os.unlink(segment_path(self.name))
         except FileNotFoundError:
             pass
 
@@ -130,7 +126,7 @@ class SlotReporter:
 
     def _attach(self) -> bool:
         try:
-            fd = os.open(_path(self.name), os.O_RDWR)
+            fd = os.open(segment_path(self.name), os.O_RDWR)
         except FileNotFoundError:
             return False
         size = os.fstat(fd).st_size

@@ -43,7 +43,8 @@ def segment_name(ring: str) -> str:
     return f"{ring}-window"
 
 
-def _path(name: str) -> str:
+def segment_path(name: str) -> str:
+    """/dev/shm/<name>; ValueError for a name that is not a plain segment name."""
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"name: expected a segment name without '/', got {name!r}")
     return f"/dev/shm/{name}"
@@ -60,7 +61,7 @@ class WindowFeedback:
         if num_workers < 1:
             raise ValueError(f"num_workers: expected >= 1, got {num_workers}")
         self.name, self.num_workers, self.stale_s, self.period_s = name, num_workers, stale_s, period_s
-        path = _path(name)
+        path = segment_path(name)
         size = HEADER_BYTES + RECORD_BYTES * num_workers
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # replaces a crashed run's
         try:
@@ -112,7 +113,7 @@ class WindowFeedback:
         self._map.close()
         self._map = None
         try:
-            os.unlink(_path(self.name))
+            os.unlink(segment_path(self.name))
         except FileNotFoundError:
             pass
 
@@ -161,7 +162,7 @@ class WindowReporter:
             return False
         self._next_try = now + self.retry_s
         try:
-            fd = os.open(_path(self.name), os.O_RDWR)
+            fd = os.open(segment_path(self.name), os.O_RDWR)
         except FileNotFoundError:
             return False
         try:
@@ -175,13 +176,13 @@ class WindowReporter:
         if magic != MAGIC or version != VERSION or self.worker >= workers or size < HEADER_BYTES + RECORD_BYTES * workers:
             m.close()
             return False
-        self._map, self._inode = m, os.stat(_path(self.name)).st_ino
+        self._map, self._inode = m, os.stat(segment_path(self.name)).st_ino
         self._record = np.ndarray((RECORD_BYTES // 8,), np.int64, m, HEADER_BYTES + RECORD_BYTES * self.worker)
         return True
 
     def _same_segment(self) -> bool:
         try:
-            return os.stat(_path(self.name)).st_ino == self._inode
+            return os.stat(segment_path(self.name)).st_ino == self._inode
         except FileNotFoundError:
             return False
 
