@@ -62,7 +62,7 @@ class Microbatch:
         rows are unspecified. One sender: a view of the transport's buffer (no copy)."""
         if self.hidden is not None:
             return self.hidden
-        if len(self.splits) == 1:
+        if len(self.splits) == 1 and self.source.zero_copy:
             return self.source.view_for(tokens)
         rows = self.source.gather(tokens)
         out = torch.empty(self.num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)

@@ -541,6 +541,8 @@ class _ShmRows:
 
     def __init__(self, end: ShmFFNEnd, views: list[torch.Tensor]) -> None:
         self.end, self.views = end, views
+        # on the CPU one sender's slot is handed out as it is; a GPU worker copies only its rows over
+        self.zero_copy = end.device.type == "cpu"
 
     def gather(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden rows [U, H] of gathered token indices ``tokens`` (int64, ascending)."""
@@ -559,7 +561,7 @@ class _ShmRows:
         rows of ``tokens``, which are what this counts as read."""
         view = self.views[0]
         self.end.bytes_received += int(tokens.numel()) * view.shape[1] * view.element_size()
-        return view.to(self.end.device)
+        return view
 
     def dense(self) -> torch.Tensor:
         """Every row [N, H] (the reference path and tests)."""
