@@ -251,8 +251,14 @@ def reference(model: str, log_path: str, prompts=PROMPTS, max_tokens: int = 12) 
         server.stop()
 
 
-def assert_same_generation(got: list[dict], want: list[dict], atol: float = 2e-3) -> None:
-    """Token-identical greedy generation, logprobs within ``atol``."""
+# fp32, server against server, one request at a time: afore's logprobs agree with plain vLLM's to
+# 9.5e-7 at worst (Qwen3-MoE static/afore/eplb, Mixtral, DeepSeek-V2 tiny checkpoints; measured
+# 2026-12-01, see docs/serving.md), so 1e-5 catches a real numeric error of 1e-3 that 2e-3 let pass.
+FP32_LOGPROB_ATOL = 1e-5
+
+
+def assert_same_generation(got: list[dict], want: list[dict], atol: float = FP32_LOGPROB_ATOL) -> None:
+    """Token-identical greedy generation, logprobs within ``atol`` (fp32 servers)."""
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["ids"] == w["ids"], f"prompt {i}: tokens differ\nafore: {g['ids']}\nvllm:  {w['ids']}"
