@@ -199,6 +199,7 @@ def measure_serve(args, log_dir: Path) -> dict:
     from afore.ports import free_port
 
     model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
+    log_dir.mkdir(parents=True, exist_ok=True)
     trace = log_dir / "stages"
     for f in log_dir.glob("stages*"):
         f.unlink()
