@@ -27,7 +27,4 @@ def register() -> None:
     vllm_compat.split_graph_at(moe_proxy.REMOTE_EXPERTS_OP)
     vllm_compat.trace_moe_forward(moe_proxy.RemoteRoutedExperts)
     vllm_compat.cpu_routing_fallback()
-    if role_.load_from_env().device == "cpu":
-        # the FFN workers share the cores with vLLM's processes: none of them may spin
-        vllm_compat.block_instead_of_spinning()
     log.info("afore: attention role, routed experts run on the FFN pool")

@@ -173,23 +173,3 @@ def layer_index(layer_name: str) -> int:
         raise ValueError(f"layer_name: expected a prefix containing 'layers.<index>.', got {layer_name!r}")
     return int(m.group(1))
 
-
-def block_instead_of_spinning() -> None:
-    """vLLM's shared-memory message queues (``shm_broadcast.SpinCondition``) let a reader poll
-    with ``sched_yield`` for 1 s after each message before it blocks on the writer's zmq
-    notification. With afore the engine core reads the worker's output while the worker waits
-    for the FFN pool, so on a small CPU box that loop takes a core from the FFN workers doing
-    the step's compute. Readers block at once instead (``busy_loop_s = 0``): the writer notifies
-    every message, so nothing is missed, only the spin is gone. Same class in 0.26 and 0.32."""
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    cls = getattr(shm_broadcast, "SpinCondition", None)
-    if cls is None or getattr(cls, "_afore_blocking", False):
-        return
-    init = cls.__init__
-
-    def __init__(self, is_reader, context, notify_address, busy_loop_s=1.0, *args, **kwargs):
-        init(self, is_reader, context, notify_address, 0.0 if is_reader else busy_loop_s, *args, **kwargs)
-
-    cls.__init__ = __init__
-    cls._afore_blocking = True
