@@ -43,7 +43,7 @@ from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWi
 # 1 us .. 100 ms: plan latencies live in microseconds, misses in milliseconds
 LATENCY_BUCKETS_S = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)
 SYNC_INTERVAL_S = 0.5
-READER_OUTCOMES = ("copied", "stale_skipped", "missed", "torn", "rejected", "evicted")
+READER_OUTCOMES = ("copied", "stale_skipped", "missed", "torn", "rejected", "evicted", "writer_dead")
 # the mailbox's (afore.prefetch.mailbox.MissedTarget.reason) and the service's own
 MISS_REASONS = ("incomplete", "deadline", "overflow", "policy_error", "publish_timeout")
 REPORT_OUTCOMES = ("accepted", "rejected_invalid", "rejected_duplicate", "dropped_full")
