@@ -164,7 +164,7 @@ def measure_bytes(hidden: int = 2048, top_k: int = 8, num_experts: int = 128, nu
                          "min_bytes": pairs * row,                       # every pair's row, each way
                          "shm_a2f_bytes": touched * row, "shm_f2a_bytes": touched * row,
                          "dense_a2f_bytes": num_ffn * n * row,           # every token to every worker
-                         "dense_f2a_bytes": 2 * (num_ffn - 1) * n * row // num_ffn + n * row,  # ring all-reduce + reply
+                         "dense_f2a_bytes": 2 * (num_ffn - 1) * n * row + n * row,  # ring all-reduce over F + reply
                          "shm_over_min": touched / pairs})
     return rows
 
@@ -255,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or "dataplane_transport_cpu"
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load_start = os.getloadavg()[0]
     print("afore bench dataplane --part transport: exchange round trips (shm, gloo)", file=sys.stderr)
     exchange = []
     for kind in ("shm", "gloo"):
@@ -262,8 +263,9 @@ def run(args: argparse.Namespace) -> int:
     print("afore bench dataplane --part transport: bytes per layer", file=sys.stderr)
     bytes_rows = measure_bytes()
     serve = measure_serve(args, out_dir / "tmp") if args.serve else None
-    result = {"command": "afore bench dataplane --part transport " + " ".join(sys.argv[1:]), "date": started,
-              "hardware": {"machine": platform.machine(), "cpus": os.cpu_count(), "processor": platform.processor()},
+    result = {"command": "afore " + " ".join(sys.argv[1:]), "date": started,
+              "hardware": {"machine": platform.machine(), "cpus": os.cpu_count(), "processor": platform.processor(),
+                           "load_average_1min": [load_start, os.getloadavg()[0]]},
               "measured": ["exchange", "serve"], "computed_from_partition": ["bytes"],
               "exchange": exchange, "bytes": bytes_rows, "serve": serve}
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
@@ -276,8 +278,10 @@ def run(args: argparse.Namespace) -> int:
 def markdown(r: dict) -> str:
     lines = [f"# Data plane: transports on {r['hardware']['cpus']} CPUs ({r['hardware']['machine']})", "",
              f"Command: `{r['command']}`  ", f"Date: {r['date']}  ",
-             "Measured on this machine: exchange round trips and serving; bytes are counted from the real "
-             "eq. 11 partition (no timing).", "",
+             f"Load average (1 min) at start and end: {r['hardware']['load_average_1min'][0]:.1f}, "
+             f"{r['hardware']['load_average_1min'][1]:.1f} (other processes shared the {r['hardware']['cpus']} cores)  ",
+             "Measured on this machine: the exchange round trips" + (" and serving" if r.get("serve") else "")
+             + "; bytes are counted from the real eq. 11 partition (no timing). Totals over all FFN workers.", "",
              "## Exchange round trip (A=1, F=2 processes, no expert compute)", "",
              "| transport | tokens | hidden | p50 us | p99 us | A2F bytes sent | F2A bytes |", "|---|---|---|---|---|---|---|"]
     for e in r["exchange"]:
@@ -290,8 +294,11 @@ def markdown(r: dict) -> str:
         lines.append(f"| {b['tokens']} | {b['skew']} | {b['min_bytes']:,} | {b['shm_a2f_bytes']:,} | {b['shm_f2a_bytes']:,} | "
                      f"{b['shm_over_min']:.3f} | {b['dense_a2f_bytes']:,} | {b['dense_f2a_bytes']:,} |")
     lines += ["", "shm moves a token's row once to each worker that computes one of its pairs (so at most the "
-              "minimum; less when a worker computes several of a token's experts); dense moves every token to "
-              "every worker and all-reduces [N, H] over F.", ""]
+              "minimum; less when a worker computes several of a token's experts); dense (the torch transport) moves "
+              "every token to every worker and all-reduces [N, H] over F (ring: 2(F-1) x N x H x 2 bytes) before "
+              "replying. The exchange round trips were timed with other processes on the same 2 cores (load "
+              "average above): they compare the two transports under the same load, they are not the quiet "
+              "machine's floor.", ""]
     s = r.get("serve")
     if s:
         lines += ["## Decode through the HTTP API (tiny Qwen3-MoE, float32, A=1, F=2; vLLM's serving client: "
