@@ -30,13 +30,18 @@ def test_proxy_routes_by_token_cost_and_releases_load():
         seen.append((int(request.headers["X-data-parallel-rank"]), len(body["prompt"]) // 4))
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
+        if len(body["prompt"]) > 1000:  # the long request stays in flight until the short ones are answered
+            await state_events["shorts_done"].wait()
         for _ in range(3):
             await response.write(b'data: {"choices": [{"text": "x"}]}\n\n')
             await asyncio.sleep(0.01)
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    state_events = {}
+
     async def main():
+        state_events["shorts_done"] = asyncio.Event()
         up_port, proxy_port = free_port(), free_port()
         up_app = web.Application()
         up_app.router.add_post("/v1/completions", upstream)
@@ -53,8 +58,10 @@ def test_proxy_routes_by_token_cost_and_releases_load():
                         return await r.read()
                 # one long prompt in flight, then short ones: they all go to the other engine
                 long = asyncio.create_task(send(8000))
-                await asyncio.sleep(0.005)
+                while not seen:  # routed and at the upstream (no sleep that a loaded machine outlasts)
+                    await asyncio.sleep(0.001)
                 outs = await asyncio.gather(*(send(40) for _ in range(3)))
+                state_events["shorts_done"].set()
                 await long
                 assert all(b"[DONE]" in o for o in outs)
                 async with session.get(f"http://127.0.0.1:{proxy_port}/afore/router") as r:
