@@ -157,8 +157,10 @@ def test_a1f2_scheduler_killed_serving_stays_correct_and_it_is_restarted(a1f2, w
         time.sleep(0.01)
     seen = set()
     while time.monotonic() < t0 + 10:
-        status = a1f2.status()
+        # /health first: a status read after it that still shows the scheduler down proves the
+        # health answer came while it was down (the other order races the restart)
         code, body = http("GET", a1f2.admin + "/health", timeout=10)
+        status = a1f2.status()
         new = status["processes"].get("scheduler", {})
         if new.get("alive") and new["pid"] != pid and status["scheduler"]["state"] == "running":
             break
