@@ -211,7 +211,9 @@ def measure_serve(args, log_dir: Path) -> dict:
         ("afore-shm-m1", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--microbatches", "1",
                           "--verbose", *common], None),
         ("afore-torch-gloo", [sys.executable, "-m", "afore.cli", "serve", "--transport", "torch-gloo", "--verbose", *common], None),
-        ("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--seed", "0"], None),
+        # the same 1 GiB KV cache that afore serve gives vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)
+        ("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--seed", "0"],
+         {"VLLM_CPU_KVCACHE_SPACE": "1"}),
     ]
     for name, cmd, env in servers:
         port = free_port()
@@ -279,7 +281,8 @@ def markdown(r: dict) -> str:
     lines = [f"# Data plane: transports on {r['hardware']['cpus']} CPUs ({r['hardware']['machine']})", "",
              f"Command: `{r['command']}`  ", f"Date: {r['date']}  ",
              f"Load average (1 min) at start and end: {r['hardware']['load_average_1min'][0]:.1f}, "
-             f"{r['hardware']['load_average_1min'][1]:.1f} (other processes shared the {r['hardware']['cpus']} cores)  ",
+             f"{r['hardware']['load_average_1min'][1]:.1f} (the benchmark's own processes count; above ~2, other jobs "
+             f"shared the {r['hardware']['cpus']} cores)  ",
              "Measured on this machine: the exchange round trips" + (" and serving" if r.get("serve") else "")
              + "; bytes are counted from the real eq. 11 partition (no timing). Totals over all FFN workers.", "",
              "## Exchange round trip (A=1, F=2 processes, no expert compute)", "",
