@@ -44,11 +44,13 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     primaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(self.num_experts >= 1, "num_experts", ">= 1", self.num_experts)
-        _require(self.num_workers >= 1, "num_workers", ">= 1", self.num_workers)
-        _require(self.num_layers >= 1, "num_layers", ">= 1", self.num_layers)
-        _require(self.redundant_slots >= 0, "redundant_slots", ">= 0", self.redundant_slots)
-        _require(self.m_tile >= 1, "m_tile", ">= 1", self.m_tile)
+        # upper bounds far above any model (DeepSeek-V3: E=256) keep a malformed shape from
+        # allocating its [E, F] / [L, F, R] arrays until the machine runs out of memory
+        _require(1 <= self.num_experts <= 1 << 16, "num_experts", f"in [1, {1 << 16}]", self.num_experts)
+        _require(1 <= self.num_workers <= 1 << 12, "num_workers", f"in [1, {1 << 12}]", self.num_workers)
+        _require(1 <= self.num_layers <= 1 << 12, "num_layers", f"in [1, {1 << 12}]", self.num_layers)
+        _require(0 <= self.redundant_slots <= 1 << 10, "redundant_slots", f"in [0, {1 << 10}]", self.redundant_slots)
+        _require(1 <= self.m_tile <= 1 << 16, "m_tile", f"in [1, {1 << 16}]", self.m_tile)
         _require(1 <= self.top_k <= self.num_experts, "top_k", f"in [1, {self.num_experts}]", self.top_k)
         if self.primaries:
             check_primary_layout(self.primaries, self.num_experts, self.num_workers)
