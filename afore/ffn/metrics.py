@@ -140,7 +140,7 @@ class FFNMetrics:
     # ---- the loop's calls
     def observe_target(self, plan, stage_s: float, queued: int) -> None:
         """One executed target: ``plan`` (afore.plan.Plan, the scheduler's or the primary-only
-        fallback) ran on this worker in ``stage_s`` seconds (receive -> reply); ``queued``
+        fallback) ran on this worker in ``stage_s`` seconds (receive -> reply ready); ``queued``
         targets wait behind it at the transport."""
         self._targets.inc()
         (self._primary_only if plan.primary_only else self._plans["used"]).inc()

@@ -320,8 +320,9 @@ class FFNWorker:
             self.metrics.observe(record)
             if self.window_reporter is not None:
                 self.window_reporter.report(record.window_ms)
-        self.connector.send(mb, reply)
+        # counted before the reply leaves: a client that has every reply sees every target counted
         self.metrics.observe_target(plan, stage_s=time.perf_counter() - t0, queued=self.connector.queued)
+        self.connector.send(mb, reply)
         return reply
 
     def _my_tokens(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> torch.Tensor:
