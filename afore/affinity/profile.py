@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from afore.traces.format import load_npz, save_npz
+
 _META_STR = ("model", "source", "workload", "class_kind", "coactivation_kind")
 _META_INT = ("top_k", "hidden_size", "moe_intermediate_size")
 CLASS_KINDS = ("source_layer_expert", "attention_worker", "token_type")
@@ -112,41 +114,18 @@ class AffinityProfile:
         return (self.coactivation * scale[:, None, None]).sum(axis=0), (self.load * scale[:, None]).sum(axis=0)
 
 
+_ARRAYS = ("coactivation", "load", "class_expert", "tokens", "layers")
+
+
 def save_profile(profile: AffinityProfile, path: str | os.PathLike) -> Path:
     """Write ``profile`` as a compressed ``.npz`` (suffix added if missing)."""
-    path = Path(path)
-    if path.suffix != ".npz":
-        path = path.with_name(path.name + ".npz")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {name: getattr(profile, name) for name in ("coactivation", "load", "class_expert", "tokens", "layers")}
-    meta = {name: np.array(getattr(profile, name)) for name in _META_STR + _META_INT}
-    np.savez_compressed(path, **arrays, **meta)
-    return path
+    return save_npz(path, {name: getattr(profile, name) for name in _ARRAYS},
+                    {name: getattr(profile, name) for name in _META_STR + _META_INT})
 
 
 def load_profile(path: str | os.PathLike) -> AffinityProfile:
     """Read and validate a profile written by ``save_profile``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"profile: expected an existing .npz file, got {str(path)!r}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            fields = {key: data[key] for key in data.files}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"profile: {str(path)!r} is not a readable .npz file ({exc})") from None
-    names = ("coactivation", "load", "class_expert", "tokens", "layers") + _META_STR + _META_INT
-    for name in names:
-        if name not in fields:
-            raise ValueError(f"{name}: missing from profile {str(path)!r}")
-    kwargs: dict[str, object] = {name: fields[name] for name in names[:5]}
-    for name in _META_STR:
-        kwargs[name] = str(fields[name][()])
-    for name in _META_INT:
-        value = fields[name]
-        if value.shape != () or value.dtype.kind not in "iu":
-            raise ValueError(f"{name}: expected an integer scalar, got {value!r}")
-        kwargs[name] = int(value[()])
-    return AffinityProfile(**kwargs)  # type: ignore[arg-type]
+    return AffinityProfile(**load_npz(path, "profile", _ARRAYS, _META_STR, _META_INT))  # type: ignore[arg-type]
 
 
 def layer_statistics(topk_ids: np.ndarray, classes: np.ndarray, num_experts: int,

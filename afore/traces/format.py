@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -80,39 +81,55 @@ class Trace:
         return self.counts.shape[3]
 
 
-def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
-    """Write ``trace`` as a compressed ``.npz`` (suffix added if missing)."""
+def save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict[str, object]) -> Path:
+    """Write ``arrays`` and scalar ``meta`` fields as one compressed ``.npz`` (suffix added if
+    missing; parent folders created). The layout every afore ``.npz`` file uses."""
     path = Path(path)
     if path.suffix != ".npz":
         path = path.with_name(path.name + ".npz")
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {name: np.array(getattr(trace, name)) for name in _META_STR + _META_INT}
-    np.savez_compressed(path, counts=trace.counts, **meta)
+    np.savez_compressed(path, **arrays, **{name: np.array(value) for name, value in meta.items()})
     return path
+
+
+def load_npz(path: str | os.PathLike, kind: str, arrays: tuple[str, ...], meta_str: tuple[str, ...],
+             meta_int: tuple[str, ...], hint: str = "") -> dict[str, object]:
+    """The fields of an afore ``.npz`` file: ``arrays`` as arrays, ``meta_str`` as str and
+    ``meta_int`` as int. Raises ValueError naming ``kind`` (no readable file) or the field
+    (missing, or not an integer scalar); ``hint`` is appended to the message of a missing field.
+    No pickles are read."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{kind}: expected an existing .npz file, got {str(path)!r}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            fields = {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:   # empty or not a zip archive: EOF/BadZip
+        raise ValueError(f"{kind}: {str(path)!r} is not a readable .npz file ({exc or type(exc).__name__})") from None
+    for name in arrays + meta_str + meta_int:
+        if name not in fields:
+            raise ValueError(f"{name}: missing from {kind} {str(path)!r}{hint}")
+    out: dict[str, object] = {name: fields[name] for name in arrays}
+    for name in meta_str:
+        out[name] = str(fields[name][()])
+    for name in meta_int:
+        value = fields[name]
+        if value.shape != () or value.dtype.kind not in "iu":
+            raise ValueError(f"{name}: expected an integer scalar, got {value!r}")
+        out[name] = int(value[()])
+    return out
+
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> Path:
+    """Write ``trace`` as a compressed ``.npz`` (suffix added if missing)."""
+    return save_npz(path, {"counts": trace.counts}, {name: getattr(trace, name) for name in _META_STR + _META_INT})
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a trace written by ``save_trace`` (or any tool following the format)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"trace: expected an existing .npz file, got {str(path)!r}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            fields = {key: data[key] for key in data.files}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"trace: {str(path)!r} is not a readable .npz file ({exc})") from None
-    for name in ("counts",) + _META_STR + _META_INT:
-        if name not in fields:
-            raise ValueError(f"{name}: missing from trace {str(path)!r} (expected fields counts, {', '.join(_META_STR + _META_INT)})")
-    kwargs: dict[str, object] = {"counts": fields["counts"]}
-    for name in _META_STR:
-        kwargs[name] = str(fields[name][()])
-    for name in _META_INT:
-        value = fields[name]
-        if value.shape != () or value.dtype.kind not in "iu":
-            raise ValueError(f"{name}: expected an integer scalar, got {value!r}")
-        kwargs[name] = int(value[()])
-    return Trace(**kwargs)  # type: ignore[arg-type]
+    fields = load_npz(path, "trace", ("counts",), _META_STR, _META_INT,
+                      hint=f" (expected fields counts, {', '.join(_META_STR + _META_INT)})")
+    return Trace(**fields)  # type: ignore[arg-type]
 
 
 def total_variation(p: np.ndarray, q: np.ndarray) -> float:

@@ -45,6 +45,14 @@ def test_load_rejects_missing_field(tmp_path):
         load_trace(tmp_path / "absent.npz")
 
 
+@pytest.mark.parametrize("content", [b"", b"not a zip archive"])
+def test_load_rejects_an_unreadable_file_naming_it(tmp_path, content):
+    path = tmp_path / "broken.npz"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="trace: .*broken.npz.* is not a readable .npz"):
+        load_trace(path)
+
+
 def test_stats():
     assert total_variation(np.array([1, 0]), np.array([0, 1])) == pytest.approx(1.0)
     assert total_variation(np.array([2, 2]), np.array([1, 1])) == pytest.approx(0.0)
