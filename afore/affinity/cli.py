@@ -4,6 +4,9 @@
   afore profile affinity --source trace --trace T.npz --attn-workers A --out P.npz     (counts: live demand kind)
   afore profile affinity --source synthetic --experts E --top-k K --out P.npz
   afore profile affinity ... --workers F --layout-out L.json   (co-clustered primaries for afore serve)
+      [--objective fanout|pairwise]   fanout (default where the profile has per-token expert sets):
+      minimise FFN workers per token (cocluster.fanout_cluster); pairwise: Sem-MoE's in-set
+      co-activation (cocluster.co_cluster; the only choice for --source trace, counts only)
 
 The PNG beside the profile shows, for the first profiled layer, the co-activation matrix with the
 experts ordered by their co-clustered set (when --workers is given) and the class-expert affinity.
@@ -21,7 +24,9 @@ import numpy as np
 from afore.affinity import cocluster, olmoe
 from afore.config import ClusterShape
 from afore.affinity.profile import AffinityProfile, DemandProfiler, profile_from_tokens, save_profile
-from afore.affinity.token_model import TokenModel, semmoe_synthetic
+from afore.affinity.token_model import semmoe_synthetic
+
+SEARCH_TOKENS = 20_000   # tokens per layer the fan-out co-clustering searches on (its cost is linear in them)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,26 +47,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     aff.add_argument("--out", required=True, help="profile file (.npz); the plot is written beside it (.png)")
     aff.add_argument("--workers", type=int, default=0, help="also co-cluster the experts into this many FFN workers (0 = no layout)")
     aff.add_argument("--load-slack", type=float, default=0.1, help="co-clustering: a set's expected load may exceed the mean by this fraction (default 0.1)")
+    aff.add_argument("--objective", choices=("fanout", "pairwise"), default=None,
+                     help="co-clustering objective: fanout (FFN workers per token, needs per-token expert sets: "
+                          "--source olmoe/synthetic; the default there) or pairwise (in-set co-activation; default for --source trace)")
     aff.add_argument("--layout-out", default=None, help="with --workers: write the layout as JSON (for afore serve --primaries-file)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        profile = build_profile(args)
+        profile, tokens = build_profile(args)
+        objective = args.objective or ("fanout" if tokens is not None else "pairwise")
+        if objective == "fanout" and tokens is None:
+            raise ValueError("--objective fanout: needs per-token expert sets (--source olmoe or synthetic); "
+                             "a trace's counts give only microbatch co-activation (use --objective pairwise)")
         path = save_profile(profile, args.out)
         print(f"wrote {path}: {profile.num_layers} layer(s), {profile.num_experts} experts, top-{profile.top_k}, "
               f"{profile.coactivation_kind}-level co-activation, classes = {profile.class_kind}")
         owner = None
         if args.workers:
             co, load = profile.pooled()
-            owner = cocluster.co_cluster(co, load, args.workers, args.load_slack)
             contiguous = ClusterShape(num_experts=profile.num_experts, num_workers=args.workers, top_k=1).primary_owner
-            print(f"co-clustered primaries for F={args.workers}: in-set co-activation {cocluster.in_set_share(co, owner):.3f} "
+            if objective == "fanout":   # all profiled layers' tokens together (one layout for every layer)
+                ids = np.concatenate(tokens)
+                owner = cocluster.fanout_cluster(ids, profile.num_experts, args.workers, load=load,
+                                                 load_slack=args.load_slack, seed=args.seed)
+                print(f"fan-out co-clustered primaries for F={args.workers}: {cocluster.mean_fanout(ids, owner):.2f} FFN workers "
+                      f"per token on the profiled tokens (contiguous {cocluster.mean_fanout(ids, contiguous):.2f})")
+            else:
+                owner = cocluster.co_cluster(co, load, args.workers, args.load_slack)
+            print(f"co-clustered primaries for F={args.workers} ({objective}): in-set co-activation {cocluster.in_set_share(co, owner):.3f} "
                   f"(contiguous {cocluster.in_set_share(co, contiguous):.3f}); expected set load max/mean "
                   f"{cocluster.set_load_ratio(load, owner, args.workers):.3f} (contiguous {cocluster.set_load_ratio(load, contiguous, args.workers):.3f})")
             if args.layout_out:
                 layout = {"primaries": owner.tolist(), "num_workers": args.workers, "num_experts": profile.num_experts,
-                          "profile": str(path), "load_slack": args.load_slack}
+                          "profile": str(path), "load_slack": args.load_slack, "objective": objective}
                 Path(args.layout_out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.layout_out).write_text(json.dumps(layout) + "\n")
                 print(f"wrote {args.layout_out}")
@@ -75,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def build_profile(args: argparse.Namespace) -> AffinityProfile:
+def build_profile(args: argparse.Namespace) -> tuple[AffinityProfile, list[np.ndarray] | None]:
+    """(profile, each profiled layer's per-token expert ids int[N, k], or None for counts-only sources)."""
     rng = np.random.default_rng(args.seed)
     if args.tokens < 1:
         raise ValueError(f"--tokens: expected >= 1, got {args.tokens}")
@@ -87,19 +107,22 @@ def build_profile(args: argparse.Namespace) -> AffinityProfile:
         counts = olmoe.read_crosslayer(folder, args.model)
         e, k = olmoe.MODELS[args.model]
         per_layer, layers = [], []
-        for pair in olmoe.LAYER_PAIRS:
-            model = olmoe.token_model(counts, pair, domains)
-            per_layer.append(_sample_with_classes(model, args.tokens, k, rng))
+        for pair in olmoe.LAYER_PAIRS:   # a token is of one domain: per-domain classes, reported as the source-layer expert
+            ids, classes = olmoe.token_model(counts, pair, domains, per_domain=True).draw(args.tokens, k, rng)
+            per_layer.append((ids, classes % e))
             layers.append(pair[1])
-        return profile_from_tokens(per_layer, e, e, layers, model=args.model, class_kind="source_layer_expert",
+        profile = profile_from_tokens(per_layer, e, e, layers, model=args.model, class_kind="source_layer_expert",
                                    source=f"olmoe cross-layer co-routing {folder} (token model, {args.tokens} tokens/layer, seed {args.seed})",
                                    workload=",".join(domains), top_k=k, hidden_size=2048 if args.model == "olmoe" else 4096,
                                    moe_intermediate_size=1024 if args.model == "olmoe" else 14336)
+        return profile, [ids[:SEARCH_TOKENS] for ids, _ in per_layer]
     if args.source == "synthetic":
         model = semmoe_synthetic(args.experts, args.top_k, seed=args.seed)
-        return profile_from_tokens([_sample_with_classes(model, args.tokens, args.top_k, rng)], args.experts, model.num_classes, [0],
-                                   model="synthetic", class_kind="token_type", source=model.source, workload="synthetic",
-                                   top_k=args.top_k)
+        ids, classes = model.draw(args.tokens, args.top_k, rng)
+        profile = profile_from_tokens([(ids, classes)], args.experts, model.num_classes, [0],
+                                      model="synthetic", class_kind="token_type", source=model.source, workload="synthetic",
+                                      top_k=args.top_k)
+        return profile, [ids[:SEARCH_TOKENS]]
     if not args.trace:
         raise ValueError("--trace: required with --source trace")
     from afore.traces.format import load_trace
@@ -110,11 +133,7 @@ def build_profile(args: argparse.Namespace) -> AffinityProfile:
     profiler = DemandProfiler(trace.num_experts, trace.num_layers, args.attn_workers, trace.top_k)
     profiler.add_counts(trace.counts)
     return profiler.profile(model=trace.model, source=f"demand of {args.trace} ({trace.source})", workload=trace.workload,
-                            hidden_size=trace.hidden_size, moe_intermediate_size=trace.moe_intermediate_size)
-
-
-def _sample_with_classes(model: TokenModel, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    return model.draw(n, k, rng)
+                            hidden_size=trace.hidden_size, moe_intermediate_size=trace.moe_intermediate_size), None
 
 
 def render_profile(profile: AffinityProfile, owner: np.ndarray | None):

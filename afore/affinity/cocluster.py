@@ -144,3 +144,143 @@ def set_load_ratio(load: np.ndarray, owner: np.ndarray, num_workers: int) -> flo
     """max / mean expected load over the F sets (1 = perfectly balanced)."""
     per_set = np.bincount(np.asarray(owner), weights=np.asarray(load, np.float64), minlength=num_workers)
     return float(per_set.max() / per_set.mean()) if per_set.mean() > 0 else 1.0
+
+
+def mean_fanout(topk_ids: np.ndarray, owner: np.ndarray) -> float:
+    """Mean distinct owners per token: the fan-out of ``topk_ids`` int[N, k] under primaries only."""
+    w = np.sort(np.asarray(owner, np.int64)[np.asarray(topk_ids, np.int64)], axis=1)
+    return float(np.mean(1 + np.count_nonzero(np.diff(w, axis=1), axis=1))) if w.size else 0.0
+
+
+def fanout_cluster(topk_ids: np.ndarray, num_experts: int, num_workers: int, load: np.ndarray | None = None,
+                   load_slack: float = 0.1, restarts: int = 4, seed: int = 0, start: np.ndarray | None = None) -> np.ndarray:
+    """Primary layout int64[E] that minimises the mean number of distinct owners per token.
+
+    The objective is fan-out itself, on per-token expert sets (recorded routing or a token
+    model's samples), not pairwise co-activation: a token whose 8 experts split 4 + 4 over two
+    sets costs 2 workers, 8 singletons cost 8, while the pairwise score rates 4 + 4 (12 in-set
+    pairs) below 7 + 1 (21) although both cost 2. It is hypergraph partitioning with the
+    connectivity metric (tokens = hyperedges, experts = vertices) into F blocks of the
+    contiguous layout's sizes, under the same expected-load cap as ``co_cluster``.
+
+    topk_ids: int[N, k] each token's experts. load: float[E] expected pairs per expert
+    (default: the pairs in ``topk_ids``). Search: steepest-descent swaps with the exact change
+    of the sum of fan-outs, from the better of the contiguous and the ``co_cluster`` layout
+    (or ``start``), then ``restarts`` descents from random layouts and from perturbations of
+    the best (``seed``); the best layout wins. A layout over the cap is repaired first (swaps
+    that lower its heaviest set, as in ``co_cluster``); after that no swap takes a set's load
+    over the cap (or over the largest load the repair could reach). Swaps keep set sizes.
+    """
+    ids = np.asarray(topk_ids, np.int64)
+    e, f = int(num_experts), int(num_workers)
+    if ids.ndim != 2 or ids.shape[0] < 1:
+        raise ValueError(f"topk_ids: expected int[N, k] with N >= 1, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= e:
+        raise ValueError(f"topk_ids: expected expert ids in [0, {e}), got {int(ids.min())}..{int(ids.max())}")
+    if not 1 <= f <= e:
+        raise ValueError(f"num_workers: expected in [1, {e}] (num_experts), got {f}")
+    if not load_slack >= 0:
+        raise ValueError(f"load_slack: expected >= 0, got {load_slack}")
+    if restarts < 0:
+        raise ValueError(f"restarts: expected >= 0, got {restarts}")
+    x = np.zeros((ids.shape[0], e), np.float32)
+    np.put_along_axis(x, ids, 1.0, axis=1)
+    l = x.sum(axis=0).astype(np.float64) if load is None else np.asarray(load, np.float64)
+    if l.shape != (e,) or not np.all(np.isfinite(l)) or np.any(l < 0):
+        raise ValueError(f"load: expected finite non-negative float[{e}]")
+    contiguous = ClusterShape(num_experts=e, num_workers=f, top_k=1).primary_owner
+    cap = (1 + load_slack) * l.sum() / f
+    if start is not None:
+        starts = [np.asarray(start, np.int64)]
+        if starts[0].shape != (e,) or sorted(np.bincount(starts[0], minlength=f)) != sorted(np.bincount(contiguous, minlength=f)):
+            raise ValueError("start: expected a layout int[E] with the contiguous layout's set sizes")
+    else:
+        co = x.T.astype(np.float64) @ x
+        starts = [contiguous, co_cluster(co, l, f, load_slack)]
+    rng = np.random.default_rng(seed)
+    best_owner, best_cost = None, np.inf
+    for owner in starts:
+        owner, cost = _descend(x, owner, l, f, cap)
+        if cost < best_cost:
+            best_owner, best_cost = owner, cost
+    for r in range(restarts):
+        if r % 2 == 0:
+            candidate = rng.permutation(contiguous)
+        else:   # perturb the best: a few random swaps
+            candidate = best_owner.copy()
+            for _ in range(max(2, e // 10)):
+                i, j = rng.choice(e, 2, replace=False)
+                candidate[i], candidate[j] = candidate[j], candidate[i]
+        owner, cost = _descend(x, candidate, l, f, cap)
+        if cost < best_cost:
+            best_owner, best_cost = owner, cost
+    return best_owner
+
+
+def _descend(x: np.ndarray, owner: np.ndarray, load: np.ndarray, f: int, cap: float) -> tuple[np.ndarray, float]:
+    """Steepest-descent swaps on the sum of fan-outs; (layout, sum of fan-outs).
+
+    x: float32[N, E] token-expert incidence. With m[t, s] = experts of token t in set s,
+    swapping i (set a) with j (set b) changes the sum of fan-outs by
+        G0[i, b] - G1[i, a] + H[i, j]  +  G0[j, a] - G1[j, b] + H[j, i]
+    G0[i, s] = tokens with i and no expert in s, G1[i, s] = tokens with i and exactly one
+    expert in s, H[i, j] = tokens with i and j where i is the only one of its set (tokens
+    with both i and j keep their counts). The three matrices are updated on the tokens that
+    hold i or j only.
+    """
+    owner = np.array(owner, np.int64)
+    e = x.shape[1]
+    set_load = np.bincount(owner, weights=load, minlength=f)
+    cap = cap * (1 + 1e-12)
+    m = x @ np.eye(f, dtype=np.float32)[owner]                     # [N, F] experts per set
+    idx = np.arange(e)
+
+    def parts(rows: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        xr, mr = x[rows], m[rows]
+        z1 = (mr == 1).astype(np.float32)
+        return xr.T @ (mr == 0).astype(np.float32), xr.T @ z1, (xr * z1[:, owner]).T @ xr
+
+    g0, g1, h = parts(slice(None))
+    limit = None
+    for _ in range(8 * e * f):
+        own = g1[idx, owner]
+        gain = g0[:, owner] - own[:, None] + h                       # g0[:, owner][i, j] = G0[i, owner(j)]
+        gain = gain + gain.T
+        new_i = set_load[owner][:, None] - load[:, None] + load[None, :]
+        heavy = int(np.argmax(set_load))
+        if limit is None and set_load[heavy] > cap:
+            # repair first (as co_cluster): swap an expert of the heaviest set for a lighter one,
+            # the best fan-out change among swaps that leave the other set under the cap, else
+            # the swap that lowers the larger of the two loads most
+            lowers = (owner[:, None] == heavy) & (owner[None, :] != heavy) & (load[:, None] > load[None, :])
+            under = lowers & (new_i.T <= cap)
+            if under.any():
+                i, j = np.unravel_index(int(np.argmin(np.where(under, gain, np.inf))), gain.shape)
+            else:
+                worst = np.maximum(new_i, new_i.T)
+                worst = np.where(lowers & (worst < set_load[heavy]), worst, np.inf)
+                if not np.isfinite(worst).any():
+                    limit = float(set_load.max()) * (1 + 1e-12)
+                    continue
+                i, j = np.unravel_index(int(np.argmin(worst)), worst.shape)
+        else:
+            if limit is None:
+                limit = max(cap, float(set_load.max()) * (1 + 1e-12))
+            ok = (owner[:, None] != owner[None, :]) & (new_i <= limit) & (new_i.T <= limit)
+            gain = np.where(ok, gain, np.inf)
+            i, j = np.unravel_index(int(np.argmin(gain)), gain.shape)
+            if not gain[i, j] < -0.5:                               # counts: an improving swap gains >= 1
+                break
+        rows = np.flatnonzero((x[:, i] > 0) | (x[:, j] > 0))
+        d0, d1, dh = parts(rows)
+        a, b = int(owner[i]), int(owner[j])
+        owner[i], owner[j] = b, a
+        set_load[a] += load[j] - load[i]
+        set_load[b] += load[i] - load[j]
+        m[rows, a] += x[rows, j] - x[rows, i]
+        m[rows, b] += x[rows, i] - x[rows, j]
+        n0, n1, nh = parts(rows)
+        g0 += n0 - d0
+        g1 += n1 - d1
+        h += nh - dh
+    return owner, float((m > 0).sum())

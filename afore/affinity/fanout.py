@@ -3,7 +3,9 @@
 With sparse (M2N) dispatch a token's hidden row travels only to the workers that execute one of
 its token-expert pairs, and one partial sum per such worker travels back. Which worker executes
 a pair: its expert's primary under primary-only execution, else the plan's exact partition
-(``afore.ffn.partition``, paper eq. 11: ordinal intervals per expert over its replicas).
+(``afore.ffn.partition``: paper eq. 11, ordinal intervals per expert over its replicas, or its
+token-aware ranking, same intervals and counts, a replicated expert's pairs sent where their
+token already goes).
 
 Bytes per token (the data-path payload; headers and padding excluded):
     fan_out * hidden_size * activation_bytes          A2F: the hidden row to each touched worker
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from afore.ffn.partition import ordinal_intervals, pair_ordinals
+from afore.ffn.partition import pair_workers
 from afore.plan import Plan
 
 PAIR_METADATA_BYTES = 8   # int32 id + fp32 weight
@@ -35,71 +37,46 @@ def primary_workers(topk_ids: np.ndarray, primary_owner: np.ndarray) -> np.ndarr
     return np.asarray(primary_owner, np.int64)[np.asarray(topk_ids, np.int64)]
 
 
-def plan_workers(topk_ids: np.ndarray, plan: Plan, primary_owner: np.ndarray) -> np.ndarray:
-    """int64[N, k]: the worker that executes each pair under ``plan`` (the FFN workers' partition).
+def plan_workers(topk_ids: np.ndarray, plan: Plan, primary_owner: np.ndarray, token_aware: bool = False) -> np.ndarray:
+    """int64[N, k]: the worker that executes each pair under ``plan`` (the FFN workers' partition:
+    eq. 11, or with ``token_aware`` the token-aware ranking of ``afore.ffn.partition``, which
+    keeps the plan's counts a[e, w] and prefers for a replicated expert a worker its token touches).
 
     The plan's demand must be the routing's (``bincount(topk_ids) == plan.demand``)."""
-    ids = torch.as_tensor(np.asarray(topk_ids, np.int64))
-    n, k = ids.shape
-    e, f = plan.assignment.shape
-    flat = ids.reshape(-1)
-    if not np.array_equal(np.bincount(flat.numpy(), minlength=e), plan.demand):
+    ids = torch.from_numpy(np.array(topk_ids, np.int64))
+    e = plan.assignment.shape[0]
+    if not np.array_equal(np.bincount(ids.reshape(-1).numpy(), minlength=e), plan.demand):
         raise ValueError("topk_ids: the routing's counts differ from plan.demand")
-    ordinals = pair_ordinals(flat, e)
-    lo, hi = ordinal_intervals(torch.as_tensor(plan.assignment), torch.as_tensor(np.asarray(primary_owner, np.int64)))
-    o = ordinals[:, None]
-    mask = (o >= lo[flat]) & (o < hi[flat])          # [P, F], exactly one True per pair
-    return mask.to(torch.int8).argmax(dim=1).reshape(n, k).numpy().astype(np.int64)
-
-
-def home_workers(topk_ids: np.ndarray, primary_owner: np.ndarray, num_workers: int) -> np.ndarray:
-    """int64[N]: each token's home worker, the primary owner of most of its experts (ties: the
-    owner of its highest-ranked expert among the tied, i.e. the earliest in the row)."""
-    ids = np.asarray(topk_ids, np.int64)
-    owners = np.asarray(primary_owner, np.int64)[ids]                  # [N, k]
-    votes = np.zeros((ids.shape[0], num_workers), np.int64)
-    np.add.at(votes, (np.arange(ids.shape[0])[:, None], owners), 1)
-    best = votes.max(axis=1, keepdims=True)
-    tied = votes[np.arange(ids.shape[0])[:, None], owners] == best     # [N, k]: this slot's owner is a top vote
-    return owners[np.arange(ids.shape[0]), np.argmax(tied, axis=1)]
-
-
-def locality_workers(topk_ids: np.ndarray, plan: Plan, primary_owner: np.ndarray) -> np.ndarray:
-    """int64[N, k]: an exact partition of the pairs that keeps ``plan``'s counts a[e, w] but gives
-    each pair to its token's home worker when that worker holds a replica of the expert and has
-    room, the rest in the eq. 11 order (routing order, replicas by worker index, primary last).
-
-    Deterministic from (topk_ids, plan, layout), so every FFN worker could compute it alike; not
-    what the FFN workers do today (``afore.ffn.partition`` is eq. 11): ``afore bench affinity``
-    uses it to measure what a locality-aware partition would keep of co-clustered primaries.
-    """
-    ids = np.asarray(topk_ids, np.int64)
-    n, k = ids.shape
-    e, f = plan.assignment.shape
-    flat = ids.reshape(-1)
-    if not np.array_equal(np.bincount(flat, minlength=e), plan.demand):
-        raise ValueError("topk_ids: the routing's counts differ from plan.demand")
-    owner = np.asarray(primary_owner, np.int64)
-    home = np.repeat(home_workers(ids, owner, f), k)
-    left = plan.assignment.astype(np.int64).copy()
-    out = np.full(flat.size, -1, np.int64)
-    for x in np.unique(flat):
-        pairs = np.flatnonzero(flat == x)                 # routing order
-        pref = home[pairs]
-        for w in np.flatnonzero(left[x] > 0):             # home pass: each replica worker takes its own tokens first
-            mine = pairs[(pref == w) & (out[pairs] < 0)][: left[x, w]]
-            out[mine] = w
-            left[x, w] -= mine.size
-        rest = pairs[out[pairs] < 0]
-        order = [w for w in range(f) if w != owner[x]] + [int(owner[x])]
-        start = 0
-        for w in order:                                   # remainder in eq. 11 order
-            take = rest[start:start + left[x, w]] if w != owner[x] else rest[start:]
-            out[take] = w
-            start += take.size
-    return out.reshape(n, k)
+    owner = torch.from_numpy(np.array(primary_owner, np.int64))      # copies: plans and shapes hold read-only arrays
+    return pair_workers(ids, torch.from_numpy(np.array(plan.assignment, np.int64)), owner, token_aware).numpy().astype(np.int64)
 
 
 def bytes_per_token(fan_out: np.ndarray | float, hidden_size: int, top_k: int, activation_bytes: int = 2) -> np.ndarray | float:
     """Data-path bytes per token (see the module docstring) for fan-out values."""
     return 2 * np.asarray(fan_out) * hidden_size * activation_bytes + top_k * PAIR_METADATA_BYTES
+
+
+def fanout_lower_bound(weight: np.ndarray, expert_prob: np.ndarray, top_k: int, set_sizes: np.ndarray) -> float:
+    """A lower bound on the mean fan-out of tokens drawn from a class mixture (``TokenModel``:
+    class c with probability weight[c], top-k distinct experts by Plackett-Luce draws from
+    expert_prob[c]) under *any* primary layout with these set sizes, balanced or not.
+
+    Why it is a bound: (1) drawing k distinct experts is drawing i.i.d. until k distinct came
+    up, so a token touches at least the workers of its first k i.i.d. draws; (2) for those,
+    E[workers | c] = sum_s 1 - (1 - p_c(S_s))^k, a sum of a concave function of the sets'
+    masses, which (Schur-concavity) is smallest when the sets hold c's experts in descending
+    probability, largest set first; (3) one layout for all classes does no better than each
+    class's own best. weight: float[C]; expert_prob: float[C, E]; set_sizes: int[F].
+    """
+    w = np.asarray(weight, np.float64)
+    p = np.asarray(expert_prob, np.float64)
+    sizes = np.sort(np.asarray(set_sizes, np.int64))[::-1]
+    if p.ndim != 2 or w.shape != (p.shape[0],) or sizes.sum() != p.shape[1] or np.any(sizes < 0):
+        raise ValueError(f"expert_prob, weight, set_sizes: expected float[C, E], float[C] and sizes summing to E, "
+                         f"got {p.shape}, {w.shape}, sum {int(sizes.sum())}")
+    p = p / np.maximum(p.sum(axis=1, keepdims=True), 1e-300)
+    ordered = -np.sort(-p, axis=1)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    mass = np.stack([ordered[:, a:b].sum(axis=1) for a, b in zip(bounds[:-1], bounds[1:])], axis=1)   # [C, F]
+    per_class = (1 - (1 - np.clip(mass, 0, 1)) ** top_k).sum(axis=1)
+    return float(w @ per_class / w.sum())

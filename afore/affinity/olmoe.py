@@ -67,11 +67,17 @@ def read_crosslayer(folder: str | os.PathLike, model: str = "olmoe", count_kind:
     return out
 
 
-def token_model(counts: dict, layer_pair: tuple[int, int], domains: tuple[str, ...] | list[str]) -> TokenModel:
-    """The ``TokenModel`` of layer_b over ``domains`` (their counts summed)."""
+def token_model(counts: dict, layer_pair: tuple[int, int], domains: tuple[str, ...] | list[str],
+                per_domain: bool = False) -> TokenModel:
+    """The ``TokenModel`` of layer_b over ``domains``: their counts summed (classes = the
+    layer_a expert), or with ``per_domain`` one class per (domain, layer_a expert), weighted
+    by its tokens. A token belongs to one domain, so the per-domain mixture keeps structure
+    that summing the counts blurs (its expert sets are more concentrated); both are fit to the
+    same measured counts and give the same expert marginal."""
     keys = [(d, *layer_pair) for d in domains]
     missing = [k for k in keys if k not in counts]
     if missing:
         raise ValueError(f"domains: no co-routing counts for {missing}")
-    n = sum(counts[k] for k in keys)
-    return TokenModel(n.sum(axis=1), n, f"olmoe cross-layer {layer_pair[0]}->{layer_pair[1]} domains={','.join(domains)}")
+    n = np.concatenate([counts[k] for k in keys]) if per_domain else sum(counts[k] for k in keys)
+    kind = "per-domain classes" if per_domain else "domains summed"
+    return TokenModel(n.sum(axis=1), n, f"olmoe cross-layer {layer_pair[0]}->{layer_pair[1]} domains={','.join(domains)} ({kind})")

@@ -130,6 +130,9 @@ def test_profile_rejects_bad_fields(tmp_path):
     np.savez(tmp_path / "bad.npz", load=np.ones(3))
     with pytest.raises(ValueError, match="coactivation: missing"):
         load_profile(tmp_path / "bad.npz")
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match="profile: .*empty.npz.* is not a readable .npz"):
+        load_profile(tmp_path / "empty.npz")
 
 
 def test_demand_profiler_per_attention_worker():
@@ -176,9 +179,13 @@ def test_olmoe_token_model_from_the_real_traces():
     assert s["class_entropy_nats"] < s["marginal_entropy_nats"]   # the class carries information
     with pytest.raises(ValueError, match="domains"):
         olmoe.token_model(counts, (7, 15), ["nope"])
+    mixture = olmoe.token_model(counts, (7, 15), ["c4", "github"], per_domain=True)
+    assert mixture.num_classes == 128
+    assert np.allclose(mixture.expert_load(), model.expert_load())     # same measured marginal
+    assert mixture.structure()["class_entropy_nats"] < s["class_entropy_nats"]   # a token's domain says more
 
 
-def test_locality_partition_is_exact_and_keeps_tokens_home():
+def test_token_aware_plan_workers_keep_the_plan_and_cut_fanout():
     rng = np.random.default_rng(8)
     shape = ClusterShape(num_experts=16, num_workers=4, redundant_slots=2, m_tile=2, top_k=4,
                          primaries=tuple(int(w) for w in rng.permutation(np.arange(16) % 4)))
@@ -186,12 +193,74 @@ def test_locality_partition_is_exact_and_keeps_tokens_home():
     demand = np.bincount(ids.reshape(-1), minlength=16)
     plan, _ = core.schedule(shape, demand, SlotTable.empty(shape), np.zeros((4, 2), bool), None,
                             SchedulerParams(copy_budget=4), CostModel(window_ms=10.0), Target(0, 0, 0), 0)
-    workers = fanout.locality_workers(ids, plan, shape.primary_owner)
+    assert plan.copies.shape[0] > 0     # replicas exist, so the partitions can differ
+    workers = fanout.plan_workers(ids, plan, shape.primary_owner, token_aware=True)
     got = np.zeros((16, 4), np.int64)
     np.add.at(got, (ids.reshape(-1), workers.reshape(-1)), 1)
     assert np.array_equal(got, plan.assignment)          # the plan's counts, exactly
     assert np.all(plan.replicas[ids.reshape(-1), workers.reshape(-1)])
     eq11 = fanout.distinct_per_row(fanout.plan_workers(ids, plan, shape.primary_owner)).mean()
-    assert fanout.distinct_per_row(workers).mean() <= eq11
-    assert fanout.home_workers(np.array([[0, 1, 2]]), np.array([1, 0, 0]), 2).tolist() == [0]
-    assert fanout.home_workers(np.array([[0, 1]]), np.array([1, 0]), 2).tolist() == [1]   # tie: first slot's owner
+    assert fanout.distinct_per_row(workers).mean() < eq11
+
+
+def planted_tokens(e: int, f: int, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens whose k experts all lie in one of f hidden groups of e/f experts (shuffled ids)."""
+    group = rng.permutation(np.arange(e) % f)
+    members = [np.flatnonzero(group == g) for g in range(f)]
+    ids = np.stack([rng.choice(members[rng.integers(f)], k, replace=False) for _ in range(n)])
+    return ids, group
+
+
+@pytest.mark.parametrize("e, f, k", [(16, 4, 3), (64, 8, 8)])
+def test_fanout_cluster_finds_planted_groups(e, f, k):
+    rng = np.random.default_rng(e + f)
+    ids, _ = planted_tokens(e, f, 3000, k, rng)
+    owner = cocluster.fanout_cluster(ids, e, f, load_slack=0.5)
+    assert sorted(np.bincount(owner, minlength=f)) == sorted(ClusterShape(num_experts=e, num_workers=f, top_k=1).primary_counts)
+    assert cocluster.mean_fanout(ids, owner) == 1.0
+    assert cocluster.mean_fanout(ids, np.arange(e) % f) > 1.5
+
+
+def test_fanout_cluster_beats_both_starts_and_keeps_the_cap():
+    rng = np.random.default_rng(4)
+    model = semmoe_synthetic(32, 4, num_topics=12, seed=5)
+    ids = model.sample(4000, 4, rng)
+    load = np.bincount(ids.reshape(-1), minlength=32).astype(float)
+    owner = cocluster.fanout_cluster(ids, 32, 4, load_slack=0.1, restarts=2)
+    assert cocluster.set_load_ratio(load, owner, 4) <= 1.1 + 1e-9
+    onehot = np.zeros((len(ids), 32))
+    np.put_along_axis(onehot, ids, 1.0, axis=1)
+    pairwise = cocluster.co_cluster(onehot.T @ onehot, load, 4, 0.1)
+    contiguous = np.arange(32) // 8
+    if cocluster.set_load_ratio(load, contiguous, 4) <= 1.1:
+        assert cocluster.mean_fanout(ids, owner) <= cocluster.mean_fanout(ids, contiguous)
+    assert cocluster.mean_fanout(ids, owner) <= cocluster.mean_fanout(ids, pairwise)
+    skewed = np.where(np.arange(32) < 4, 6.0, 1.0)       # four hot experts: the cap binds
+    capped = cocluster.fanout_cluster(ids, 32, 4, load=skewed, load_slack=0.1, restarts=1)
+    assert cocluster.set_load_ratio(skewed, capped, 4) <= 1.1 + 1e-9
+    with pytest.raises(ValueError, match="topk_ids"):
+        cocluster.fanout_cluster(np.array([[0, 40]]), 32, 4)
+    with pytest.raises(ValueError, match="num_workers"):
+        cocluster.fanout_cluster(ids, 32, 33)
+
+
+def test_fanout_lower_bound_holds_for_any_layout_and_is_tight_when_it_can_be():
+    rng = np.random.default_rng(6)
+    model = semmoe_synthetic(16, 4, num_topics=6, seed=2)
+    sizes = np.full(4, 4)
+    bound = fanout.fanout_lower_bound(model.weight, model.expert_prob, 4, sizes)
+    ids = model.sample(20_000, 4, rng)
+    for owner in [np.arange(16) // 4, np.arange(16) % 4, cocluster.fanout_cluster(ids, 16, 4, load_slack=10.0)]:
+        assert bound <= cocluster.mean_fanout(ids, owner) + 0.01
+    # every class in its own layout (the bench's estimate) sits between the bound and a shared layout
+    from afore.bench.affinity import per_class_layout_fanout
+    own = per_class_layout_fanout(model, 4, (4, 4, 4, 4), 20_000, rng)
+    assert bound - 0.01 <= own <= cocluster.mean_fanout(ids, cocluster.fanout_cluster(ids, 16, 4, load_slack=10.0)) + 0.01
+    # one class on experts 0..3: every token draws exactly those four; a layout grouping them costs 1
+    prob = np.zeros((1, 8))
+    prob[0, :4] = [0.4, 0.3, 0.2, 0.1]
+    tight = TokenModel(np.ones(1), prob, "test")
+    assert fanout.fanout_lower_bound(tight.weight, tight.expert_prob, 4, np.array([4, 4])) == pytest.approx(1.0)
+    assert cocluster.mean_fanout(tight.sample(500, 4, rng), np.array([0, 0, 0, 0, 1, 1, 1, 1])) == 1.0
+    with pytest.raises(ValueError, match="set_sizes"):
+        fanout.fanout_lower_bound(model.weight, model.expert_prob, 4, np.array([4, 4]))
