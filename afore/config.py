@@ -69,18 +69,13 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def primary_owner(self) -> np.ndarray:
-        """int64[E]: the fixed primary worker of each expert."""
-        if not self.primaries:
-            return np.repeat(np.arange(self.num_workers), self.primary_counts)
-        return np.array(self.primaries, dtype=np.int64)
+        """int64[E]: the fixed primary worker of each expert (computed once per shape; a copy)."""
+        return _primary_arrays(self)[0].copy()
 
     @property
     def primary_slot(self) -> np.ndarray:
-        """int64[E]: the physical slot of each expert on its primary worker."""
-        if not self.primaries:
-            starts = np.concatenate([[0], np.cumsum(self.primary_counts)[:-1]])
-            return np.arange(self.num_experts) - starts[self.primary_owner]
-        return np.array(_layout(self.primaries, self.num_workers)[1], dtype=np.int64)
+        """int64[E]: the physical slot of each expert on its primary worker (a copy)."""
+        return _primary_arrays(self)[1].copy()
 
     def primary_experts(self, worker: int) -> np.ndarray:
         """int64[P_w]: the primaries of ``worker`` in slot order (ascending expert id)."""
@@ -215,6 +210,23 @@ def _contiguous_owner(num_experts: int, num_workers: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
+def _primary_arrays(shape: "ClusterShape") -> tuple[np.ndarray, np.ndarray]:
+    """(primary_owner, primary_slot) of ``shape``: read on every target by the FFN side, so
+    computed once per shape (frozen, hashable); read-only, the properties hand out copies."""
+    if not shape.primaries:
+        owner = np.repeat(np.arange(shape.num_workers), shape.primary_counts)
+        starts = np.concatenate([[0], np.cumsum(shape.primary_counts)[:-1]])
+        slot = np.arange(shape.num_experts) - starts[owner]
+    else:
+        owner = np.array(shape.primaries, dtype=np.int64)
+        slot = np.array(_layout(shape.primaries, shape.num_workers)[1], dtype=np.int64)
+    owner, slot = owner.astype(np.int64), slot.astype(np.int64)
+    owner.flags.writeable = False
+    slot.flags.writeable = False
+    return owner, slot
+
+
 def _layout(primaries: tuple[int, ...], num_workers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(primaries per worker, slot of each expert on its owner) of an explicit layout."""
     counts = [0] * num_workers

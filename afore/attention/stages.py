@@ -13,42 +13,29 @@ CSV columns (times: ``time.perf_counter_ns()`` of this process):
 
 from __future__ import annotations
 
-import os
-import threading
+from afore.metrics.trace import TRACE_ENV, CsvTrace
 
-TRACE_ENV = "AFORE_STAGE_TRACE"
+__all__ = ["COLUMNS", "TRACE_ENV", "StageClock"]
+
 COLUMNS = ("step", "layer", "microbatch", "tokens", "prev_exit_ns", "enter_ns", "demand_ns", "sent_ns",
            "recv_start_ns", "done_ns", "a2f_bytes", "f2a_bytes")
 
 
 class StageClock:
-    """Records of one attention worker; ``flush_every`` rows are buffered before a write."""
+    """Records of one attention worker (``afore.metrics.trace.CsvTrace``, ``PATH.<worker>.csv``)."""
 
     def __init__(self, worker: int, path: str | None = None, flush_every: int = 256) -> None:
         self.worker = worker
-        path = os.environ.get(TRACE_ENV, "") if path is None else path
-        self.path = f"{path}.{worker}.csv" if path else ""
-        self.flush_every = flush_every
+        self.trace = CsvTrace.from_env(str(worker), COLUMNS, path)
+        self.trace.flush_every = flush_every
+        self.path = self.trace.path
         self.prev_exit_ns = 0
-        self._rows: list[tuple] = []
-        self._lock = threading.Lock()
-        if self.path and not os.path.exists(self.path):
-            with open(self.path, "w") as fh:
-                fh.write(",".join(COLUMNS) + "\n")
 
     def record(self, row: tuple) -> None:
         from afore.metrics.attention import observe_exchange
 
         observe_exchange(worker=self.worker, wait_s=max(0, row[9] - row[8]) / 1e9, a2f_bytes=row[10], f2a_bytes=row[11])
-        if self.path:
-            with self._lock:
-                self._rows.append(row)
-                if len(self._rows) >= self.flush_every:
-                    self.flush()
+        self.trace.add(row)
 
     def flush(self) -> None:
-        if not self.path or not self._rows:
-            return
-        with open(self.path, "a") as fh:
-            fh.write("".join(",".join(str(int(v)) for v in r) + "\n" for r in self._rows))
-        self._rows.clear()
+        self.trace.flush()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -312,3 +313,50 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, row_slot: 
         return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
     gathered = w[row_slot.clamp(max=w.shape[0] - 1)]
     return torch.bmm(gathered, a.unsqueeze(2)).squeeze(2)
+
+
+def host_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor, table: np.ndarray,
+                     w13: torch.Tensor, w2: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This worker's partial sums for the tokens it computes, on the host (CPU workers).
+
+    The same pairs, slots and arithmetic as ``routed_expert_step``'s torch backend (the eq. 11
+    partition read from this worker's plan ``table``, int32[3*EP + 1] from ``DevicePlan.stage``),
+    with the bookkeeping in numpy on the host ids (a few microseconds per op, against several
+    for each small torch op) and torch only for the expert matmuls. Only the rows of the tokens
+    this worker computes are read (``rows_for(tokens)``: a hidden tensor whose rows ``tokens``
+    hold the inputs) and returned.
+
+    topk_ids: int [N, k] on the host; topk_weights: fp32 [N, k]. Returns (tokens int64 [U]
+    ascending, rows [U, H] in w13's dtype, the number of ids outside [0, E)).
+    """
+    n, k = topk_ids.shape
+    ep = table_width(num_experts)
+    num_slots, inter = w13.shape[0], w2.shape[2]
+    flat = topk_ids.reshape(-1).astype(np.int64, copy=False)
+    valid = (flat >= 0) & (flat < num_experts)
+    bad = int(flat.size - np.count_nonzero(valid))
+    binned = np.where(valid, flat, num_experts)   # bad ids: a bin of their own, never run
+    order = np.argsort(binned, kind="stable")
+    counts = np.bincount(binned, minlength=num_experts + 1)
+    ordinals = np.empty(flat.size, np.int64)
+    ordinals[order] = np.arange(flat.size) - (np.cumsum(counts) - counts)[binned[order]]
+    ids = np.where(valid, flat, 0)
+    lo, hi, slot = table[ids], table[ep + ids], table[2 * ep + ids]
+    pairs = np.flatnonzero(valid & (ordinals >= lo) & (ordinals < hi))   # routing order
+    dtype = w13.dtype
+    if pairs.size == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, w2.shape[1], dtype=dtype), bad
+    pair_slot = slot[pairs].astype(np.int64)
+    by_slot = np.argsort(pair_slot, kind="stable")   # groups in slot order, routing order inside
+    pairs, pair_slot = pairs[by_slot], pair_slot[by_slot]
+    tokens, local = np.unique(pairs // k, return_inverse=True)
+    x = rows_for(torch.from_numpy(tokens)).to(dtype)
+    offs = torch.from_numpy(np.cumsum(np.bincount(pair_slot, minlength=num_slots)).astype(np.int32))
+    sorted_key = torch.from_numpy(pair_slot)
+    gate_up = _grouped_mm(x[torch.from_numpy(pairs // k)], w13, offs, sorted_key)
+    act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(dtype)
+    y = _grouped_mm(act, w2, offs, sorted_key).float() * topk_weights.reshape(-1).float()[torch.from_numpy(pairs), None]
+    # per (token, k) slot as the torch backend sums them: [U, k, H], zeros where another worker runs the pair
+    per_pair = torch.zeros(tokens.size * k, y.shape[1], dtype=y.dtype)
+    per_pair[torch.from_numpy(local * k + pairs % k)] = y
+    return torch.from_numpy(tokens), per_pair.view(tokens.size, k, -1).sum(1).to(dtype), bad

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from afore.ffn.device_plan import DevicePlan
-from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grouped_expert_mlp, routed_expert_step,
+from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grouped_expert_mlp, host_sparse_step, routed_expert_step,
                                triton_available)
 from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs, tuned_config
 from afore.ffn.partition import worker_mask
@@ -146,6 +146,35 @@ class FFNLayer:
                                   self.pool.shape.num_experts, self.backend, config)
 
     __call__ = forward
+
+    @property
+    def sparse_on_host(self) -> bool:
+        """Whether ``forward_sparse`` runs here: a CPU pool on the torch backend."""
+        return self.pool.device.type == "cpu" and self.backend == "torch"
+
+    def forward_sparse(self, rows_for, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU pools: this worker's partial sums only for the tokens it computes a pair of, as
+        (tokens int64 [U] ascending, rows [U, H]); ``rows_for(tokens)`` gives a hidden tensor
+        whose rows ``tokens`` hold the inputs (``Microbatch.rows_for``). The same pairs and
+        arithmetic as ``forward`` (``afore.ffn.experts.host_sparse_step``), without a torch op
+        per bookkeeping step."""
+        if not self.sparse_on_host:
+            raise ValueError(f"forward_sparse: a CPU pool on the torch backend, got {self.pool.device} / {self.backend}")
+        k = self.pool.shape.top_k
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != k or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_ids, topk_weights: expected shape [N, {k}], got {tuple(topk_ids.shape)}, "
+                             f"{tuple(topk_weights.shape)}")
+        if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.device.type != "cpu":
+            raise ValueError(f"topk_ids: expected int32 on the host, got {topk_ids.dtype} on {topk_ids.device}")
+        table = self.plan_table.stage(plan)
+        tokens, rows, bad = host_sparse_step(rows_for, topk_ids.numpy(), topk_weights, table, self.pool.w13,
+                                             self.pool.w2, self.pool.shape.num_experts)
+        if bad:
+            self.errors += bad
+        if rows.shape[1] != self.pool.hidden:
+            raise ValueError(f"hidden: expected rows of {self.pool.hidden}, got {rows.shape[1]}")
+        return tokens, rows
 
     def _loop_forward(self, hidden, topk_ids, topk_weights, plan, worker):
         """The reference: eq. 11 mask + per-slot matmuls (reads counts back to the host)."""

@@ -129,6 +129,7 @@ class FFNMetrics:
                                        f"{BALANCE_WINDOW} executed targets", ("layer", "placement"), registry=r,
                                        multiprocess_mode="livemostrecent")
         self._window = ImbalanceWindow(BALANCE_WINDOW)
+        self._balance_children: dict[tuple[int, str], tuple] = {}
         # the older loop interface (see the module docstring)
         self._fallback_pending = False
         self.targets = _TargetCounter(self)
@@ -170,15 +171,20 @@ class FFNMetrics:
         """Imbalance of ``plan`` and of the primary-only placement of the same demand, at its layer."""
         if self.shape is None:
             raise ValueError("shape: FFNMetrics needs the ClusterShape to record balance (FFNMetrics(worker, shape))")
-        loads = {"plan": np.asarray(plan.tile_load),
-                 "primary_only": primary_only_tile_load(self.shape, plan.demand)}
-        layer = str(plan.target.layer)
-        for placement, load in loads.items():
+        loads = (("plan", np.asarray(plan.tile_load)),
+                 ("primary_only", primary_only_tile_load(self.shape, plan.demand)))
+        layer = plan.target.layer
+        for placement, load in loads:
             factor = tile_imbalance(load)
             if factor is None:
                 continue
-            self._imbalance.labels(layer, placement).observe(factor)
-            self._imbalance_window.labels(layer, placement).set(self._window.add((layer, placement), load))
+            key = (layer, placement)
+            children = self._balance_children.get(key)
+            if children is None:  # .labels() costs a lock and a dict walk: once per (layer, placement)
+                children = self._balance_children[key] = (self._imbalance.labels(str(layer), placement),
+                                                          self._imbalance_window.labels(str(layer), placement))
+            children[0].observe(factor)
+            children[1].set(self._window.add(key, load))
 
     # ---- views
     def value(self, name: str, **labels: str) -> float:

@@ -42,6 +42,7 @@ import torch
 from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
+from afore.ffn.stages import ffn_trace
 from afore.routing import count_demand
 from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
@@ -192,6 +193,8 @@ class FFNWorker:
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port + cfg.rank)
         self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
+        self.trace = ffn_trace(cfg.rank)
+        self._plan_ns = 0
         self.stop_event = threading.Event()
 
     def _connect(self):
@@ -249,6 +252,7 @@ class FFNWorker:
                 log.warning("worker %d: plan %d cannot commit: %s", self.cfg.rank, mb.seq, reason)
                 self.migrator.forget(plan)
                 plan = None
+        self._plan_ns = time.perf_counter_ns()
         ok = self.connector.agree(plan is not None)
         if ok:
             return plan
@@ -300,16 +304,19 @@ class FFNWorker:
     def step(self, mb: Microbatch) -> ReplyRows:
         """Run one target on this worker and reply; returns the reply (this worker's partial sums
         of the tokens it computed a pair of)."""
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         self.shape.check_layer(mb.target.layer)
         layer = self.layers[mb.target.layer]
         plan = self._plan_for(mb)
+        agreed = time.perf_counter_ns()
         self._read_ahead()
         if not plan.primary_only:
             self.migrator.commit(plan)
         if mb.hidden is not None:  # the transport delivered every row (torch): reply densely
             partial = layer.forward(mb.hidden, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
             reply = ReplyRows.dense(partial)
+        elif layer.sparse_on_host:  # sparse on a CPU pool: the bookkeeping in numpy, one pass
+            reply = ReplyRows(*layer.forward_sparse(mb.rows_for, mb.topk_ids, mb.topk_weights, plan))
         else:  # sparse: read and return only the rows of the tokens this worker computes
             tokens = self._my_tokens(layer, mb, plan)
             partial = layer.forward(mb.rows_for(tokens), mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
@@ -320,9 +327,15 @@ class FFNWorker:
             self.metrics.observe(record)
             if self.window_reporter is not None:
                 self.window_reporter.report(record.window_ms)
+        computed = time.perf_counter_ns()
         # counted before the reply leaves: a client that has every reply sees every target counted
-        self.metrics.observe_target(plan, stage_s=time.perf_counter() - t0, queued=self.connector.queued)
+        self.metrics.observe_target(plan, stage_s=(computed - t0) / 1e9, queued=self.connector.queued)
         self.connector.send(mb, reply)
+        if self.trace.enabled:
+            t = mb.target
+            self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
+                            int(mb.arrived * 1e9), t0, self._plan_ns, agreed, computed, time.perf_counter_ns(),
+                            int(not plan.primary_only)))
         return reply
 
     def _my_tokens(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> torch.Tensor:
@@ -352,6 +365,7 @@ class FFNWorker:
             log.info("worker %d stopped: %s", self.cfg.rank, self.metrics.summary())
 
     def close(self) -> None:
+        self.trace.flush()
         if self.window_reporter is not None:
             self.window_reporter.close()
         if self.slot_reporter is not None:

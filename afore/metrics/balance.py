@@ -48,10 +48,23 @@ class ImbalanceWindow:
         assert size >= 1, f"size: expected >= 1, got {size}"
         self.size = size
         self._recent: dict[object, collections.deque] = {}
+        self._sums: dict[object, list[float]] = {}
 
     def add(self, key: object, tile_load: np.ndarray) -> float:
         """Add one target's ``tile_load`` (int[F], not all zero) under ``key``; returns the window's factor."""
-        load = np.asarray(tile_load, dtype=np.float64)
-        recent = self._recent.setdefault(key, collections.deque(maxlen=self.size))
-        recent.append((float(load.max()), float(load.mean())))
-        return sum(m for m, _ in recent) / sum(a for _, a in recent)
+        load = np.asarray(tile_load)
+        # running sums of max and total (O(1) per target; exact for tile counts): mean = total / F
+        entry = (float(load.max()), float(load.sum()))
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = collections.deque(maxlen=self.size)
+            self._sums[key] = [0.0, 0.0]
+        sums = self._sums[key]
+        if len(recent) == self.size:
+            old_max, old_total = recent[0]
+            sums[0] -= old_max
+            sums[1] -= old_total
+        recent.append(entry)
+        sums[0] += entry[0]
+        sums[1] += entry[1]
+        return sums[0] * load.size / sums[1]

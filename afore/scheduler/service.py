@@ -26,6 +26,7 @@ from afore import _shm
 from afore.config import DEMAND_TOKEN_ENV, ClusterShape, CostModel, SchedulerParams
 from afore.prefetch.mailbox import DemandMailbox
 from afore.prefetch.receiver import DemandReceiver
+from afore.metrics.trace import CsvTrace
 from afore.scheduler.metrics import SchedulerMetrics
 from afore.plan import Target
 from afore.scheduler.policies import Observation, make_policy
@@ -33,6 +34,8 @@ from afore.scheduler.plan_ring import PlanRing, PublishTimeout
 from afore.scheduler.slot_sync import SlotSync
 from afore.scheduler.slot_sync import segment_name as slot_segment_name
 from afore.scheduler.window_feedback import WindowFeedback, segment_name
+
+SCHEDULER_TRACE_COLUMNS = ("seq", "written_ns", "complete_ns", "got_ns", "plan_start_ns", "planned_ns", "published_ns")
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,8 @@ class SchedulerService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.published = 0
+        # AFORE_STAGE_TRACE=PATH: PATH.scheduler.csv, one row per published plan (CLOCK_MONOTONIC ns)
+        self.trace = CsvTrace.from_env("scheduler", SCHEDULER_TRACE_COLUMNS)
         self.missed = 0
         self._closed = False
         self._endpoints_started = False
@@ -189,6 +194,7 @@ class SchedulerService:
         if self._closed:
             return
         self._closed = True
+        self.trace.flush()
         if self.receiver is not None:
             self.receiver.stop()
         if self._receiver_mailbox is not None:
@@ -209,6 +215,7 @@ class SchedulerService:
         self._record_copy_latency()
         if got is None:
             return 0
+        got_ns = time.perf_counter_ns()
         self._follow_measured_window()
         self._resync_slot_tables()
         t0 = time.perf_counter()
@@ -222,7 +229,8 @@ class SchedulerService:
             self.metrics.misses.labels("policy_error").inc()
             self.missed += 1
             return 0
-        self.metrics.policy_latency.observe(time.perf_counter() - t0)
+        planned_ns = time.perf_counter_ns()
+        self.metrics.policy_latency.observe(planned_ns / 1e9 - t0)
         try:
             self.ring.publish(plan, timeout_s=self.config.liveness_timeout_s * 2 + 1.0)
         except PublishTimeout as exc:
@@ -231,7 +239,9 @@ class SchedulerService:
             self.missed += 1
             return 0
         written_ns, complete_ns = self.mailbox.last_stamps
-        self.metrics.publish_latency.observe((_shm.monotonic_ns() - complete_ns) * 1e-9)
+        published_ns = _shm.monotonic_ns()
+        self.metrics.publish_latency.observe((published_ns - complete_ns) * 1e-9)
+        self.trace.add((got.seq, written_ns, complete_ns, got_ns, int(t0 * 1e9), planned_ns, published_ns))
         self.metrics.plans.inc()
         self.metrics.observe_plan(plan)
         self.published += 1

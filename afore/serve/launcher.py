@@ -50,6 +50,7 @@ from afore.metrics import multiprocess
 from afore.serve.supervisor import SchedulerSupervisor
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
+from afore.procs import child_running
 from afore.scheduler.policies import POLICY_NAMES
 from afore.serve.console import ChildOutput, ready_banner
 
@@ -558,7 +559,7 @@ class Launcher:
             "attn_workers": self.opts.attn_workers,
             "ffn_workers": self.opts.ffn_workers,
             "dtype": self.dtype,
-            "processes": {c.name: {"pid": c.proc.pid, "alive": c.proc.poll() is None} for c in self.children()},
+            "processes": {c.name: {"pid": c.proc.pid, "alive": child_running(c.proc)} for c in self.children()},
         }
         if self.opts.role != "attention":
             out["scheduler"] = self.supervisor.scheduler.report(time.monotonic())

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from afore.plan import Target
+from afore.procs import pid_alive
 from afore.transport.base import Microbatch, ReplyRows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -155,6 +156,7 @@ class ShmSegment:
         self.rep_head = view("rep_head", np.int64, (f, a, d, _HEAD))
         self.votes = view("votes", np.int32, (f, 2))
         self._raw = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self._views: dict[tuple, tuple] = {}
 
     @classmethod
     def create(cls, name: str, layout: ShmLayout) -> "ShmSegment":
@@ -198,7 +200,20 @@ class ShmSegment:
         return self._raw[offset:offset + n].view(dtype).view(shape)
 
     def req_views(self, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(hidden [T, H], ids int32 [T, k], weights fp32 [T, k]) of request slot (a, d)."""
+        """(hidden [T, H], ids int32 [T, k], weights fp32 [T, k]) of request slot (a, d) (made once)."""
+        views = self._views.get(("req", a, d))
+        if views is None:
+            views = self._views[("req", a, d)] = self._req_views(a, d)
+        return views
+
+    def rep_views(self, f: int, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [T, H], token int32 [T]) of reply slot (f, a, d) (made once)."""
+        views = self._views.get(("rep", f, a, d))
+        if views is None:
+            views = self._views[("rep", f, a, d)] = self._rep_views(f, a, d)
+        return views
+
+    def _req_views(self, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lay = self.layout
         es = torch.empty(0, dtype=lay.torch_dtype).element_size()
         t, h, k = lay.max_tokens, lay.hidden, lay.top_k
@@ -208,8 +223,7 @@ class ShmSegment:
         weights = self.tensor(base + t * h * es + t * k * 4, torch.float32, (t, k))
         return hidden, ids, weights
 
-    def rep_views(self, f: int, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [T, H], token int32 [T]) of reply slot (f, a, d)."""
+    def _rep_views(self, f: int, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout
         es = torch.empty(0, dtype=lay.torch_dtype).element_size()
         t, h = lay.max_tokens, lay.hidden
@@ -218,6 +232,7 @@ class ShmSegment:
 
     def close(self) -> None:
         self._raw = None
+        self._views.clear()
         for name in ("pids", "req_ready", "req_head", "rep_ready", "rep_head", "votes"):
             setattr(self, name, None)
         try:
@@ -262,25 +277,8 @@ def _wait_word(seg: ShmSegment, region: str, index: int, want: int, deadline: fl
         if int(arr[index]) != want:
             for p in peers:
                 pid = int(seg.pids[p])
-                if pid and not _alive(pid):
+                if pid and not pid_alive(pid):
                     raise PeerGone(f"{what}: the peer process {pid} exited")
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and has not exited: an exited child that its parent has not reaped
-    yet (a zombie, e.g. while ``afore serve`` is still stopping vLLM) still answers kill(0)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc: trust kill(0)
-    return state not in (b"Z", b"X")
 
 
 @dataclasses.dataclass
@@ -501,7 +499,7 @@ class ShmFFNEnd:
                     raise TimeoutError(f"agree: FFN worker {g} did not vote on target {v} within {self.timeout_s} s")
                 _futex_wait(seg.addr("votes", index, 4), cur, self.poll_s)
                 pid = int(seg.pids[lay.num_attention + g])
-                if pid and not _alive(pid):
+                if pid and not pid_alive(pid):
                     raise PeerGone(f"agree: FFN worker {g} (pid {pid}) exited")
             result = result and bool(int(seg.votes[g, slot]) & 1)
         return result

@@ -49,9 +49,12 @@ def metric(text: str, name: str, label: str = "") -> float:
     raise AssertionError(f"{name} {label} not in metrics")
 
 
-@pytest.mark.parametrize("transport", ["torch", "shm"])
+@pytest.mark.parametrize("transport,device", [("torch", "cpu"), ("shm", "cpu"),
+                                              # several FFN workers on one GPU: only the shm transport
+                                              # (NCCL refuses two ranks on one device); copies by CUDA IPC
+                                              pytest.param("shm", "cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("num_attention,num_ffn", [(1, 2), (2, 3)])
-def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn, transport):
+def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn, transport, device):
     from afore.scheduler.plan_ring import PlanRing
 
     path, spec, weights = model
@@ -87,8 +90,14 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
     layout = ShmLayout(num_attention=num_attention, num_ffn=num_ffn, hidden=spec.hidden_size, top_k=spec.top_k,
                        max_tokens=32, depth=2)
     seg = ShmSegment.create(segment, layout) if segment else None
+    store = None
+    if device == "cuda":  # the store afore serve hosts for the pools' CUDA IPC handles
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     workers = start_ffn_workers([
         FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=num_attention, model=path, port=port, m_tile=M_TILE,
+                        device=device,
                         plan_ring=ring_name, plan_timeout_ms=200.0, metrics_port=metrics_port if r == 0 else 0,
                         copy_delay_ms=2.0, timeout_s=60, shm_segment=segment, max_tokens=32)
         for r in range(num_ffn)])
@@ -98,13 +107,13 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
 
     def attention(a):
         try:
-            conn = ShmAttentionEnd(segment, layout, a, timeout_s=60) if segment else AttentionConnector(cfg, a)
+            conn = ShmAttentionEnd(segment, layout, a, device, timeout_s=60) if segment else AttentionConnector(cfg, a)
             conns.append(conn)
             connected.wait()  # the FFN workers attached to the ring before the rendezvous
             # two targets in flight: send t+1 before receiving t
             pending = []
             for seq, target in enumerate(targets):
-                pending.append((seq, conn.send(target, seq, *inputs[seq][a])))
+                pending.append((seq, conn.send(target, seq, *(t.to(device) for t in inputs[seq][a]))))
                 if len(pending) == 2:
                     s, h = pending.pop(0)
                     outputs[a][s] = conn.recv(h)
@@ -132,12 +141,13 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
         ring.close()
         if seg is not None:
             seg.close()
+        del store
     assert [p.exitcode for p in workers] == [0] * num_ffn
     for seq, target in enumerate(targets):
         w = weights[target.layer]
         for a in range(num_attention):
             hidden, ids, tw = inputs[seq][a]
-            out = outputs[a][seq]
+            out = outputs[a][seq].cpu()
             assert out.shape == hidden.shape
             if hidden.shape[0]:
                 ref = dense_moe(hidden, ids, tw, w.w13, w.w2)
