@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from afore.config import ClusterShape
 from afore.ffn.layer import FFNLayer
-from afore.ffn.partition import ordinal_intervals, pair_ordinals, worker_pairs
+from afore.ffn.partition import ordinal_intervals, pair_ordinals, worker_mask, worker_pairs
 from afore.ffn.reference import dense_moe, random_plan, random_routing, random_slot_table
 from afore.migrator.slot_pool import SlotPool
 from afore.plan import Target, check_plan, primary_only_plan
@@ -70,6 +70,56 @@ def test_sum_over_workers_equals_dense_layer(shape, n, seed, fill):
     assert out.shape == (n, H)
     if n:
         assert relative_error(out, ref) <= 1e-5
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1),
+       bad=st.integers(0, 3), stale=st.booleans())
+def test_host_sparse_step_equals_the_torch_step(shape, n, seed, fill, bad, stale):
+    """CPU workers run ``forward_sparse`` (numpy bookkeeping): every worker's rows equal the
+    torch backend's rows of the same tokens bit for bit, its tokens are exactly those with a
+    pair on it, ids outside [0, E) run nowhere and are counted, also for a plan made for
+    other demand (stale: the primary takes the remainder)."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    e = shape.num_experts
+    w13 = torch.randn(e, 2 * I, H, generator=gen) / 4
+    w2 = torch.randn(e, H, I, generator=gen) / 4
+    hidden = torch.randn(n, H, generator=gen)
+    ids, weights = random_routing(n, shape, rng, skew=float(rng.uniform(0, 2)))
+    demand = np.bincount(ids.reshape(-1).numpy(), minlength=e)
+    if stale:
+        demand = rng.permutation(demand)
+    if n and bad:  # padding rows some routers mark with -1, and ids past E
+        flat = ids.view(-1)
+        flat[torch.from_numpy(rng.choice(flat.numel(), min(bad, flat.numel()), replace=False))] = \
+            torch.tensor([-1, e, e + 5][:min(bad, flat.numel())] * 3, dtype=ids.dtype)[:min(bad, flat.numel())]
+    table = random_slot_table(shape, rng, fill)
+    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
+    pools = make_pools(shape, table, w13, w2)
+    apply_copies(pools, plan, w13, w2)
+    owner = torch.as_tensor(shape.primary_owner)
+    covered = torch.zeros(n * shape.top_k, dtype=torch.int64)
+    for w, pool in enumerate(pools):
+        dense_layer, sparse_layer = FFNLayer(pool, backend="torch"), FFNLayer(pool, backend="torch")
+        dense = dense_layer.forward(hidden, ids, weights, plan, w)
+        tokens, rows = sparse_layer.forward_sparse(lambda t: hidden, ids, weights, plan)
+        # eq. 11 with ids outside [0, E) in a bin of their own (the torch step's rule)
+        flat = ids.reshape(-1).long()
+        valid = (flat >= 0) & (flat < e)
+        ordinals = pair_ordinals(torch.where(valid, flat, e), e + 1)
+        lo, hi = ordinal_intervals(torch.as_tensor(plan.assignment), owner)
+        ex = torch.where(valid, flat, 0)
+        mask = valid & (ordinals >= lo[ex, w]) & (ordinals < hi[ex, w])
+        if not bad:
+            assert torch.equal(mask, worker_mask(ids, torch.as_tensor(plan.assignment), owner, w))
+        covered += mask.long()
+        want = torch.nonzero(mask.view(n, shape.top_k).any(1)).squeeze(1) if n else torch.zeros(0, dtype=torch.int64)
+        assert torch.equal(tokens, want)
+        assert torch.equal(rows, dense[tokens])
+        assert sparse_layer.input_errors() == dense_layer.input_errors()
+    if n:  # every valid pair ran on exactly one worker
+        assert torch.equal(covered, ((ids >= 0) & (ids < e)).view(-1).long())
 
 
 def test_partition_is_exact_and_matches_assignment():
