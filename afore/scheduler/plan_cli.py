@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import zipfile
 from pathlib import Path
 
 import msgspec
@@ -40,6 +39,7 @@ import numpy as np
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.plan import SlotTable, Target
 from afore.scheduler.plan_verify import verify_plan_json
+from afore.traces.format import read_npz
 
 SHAPE_KEYS = ("num_experts", "num_workers", "redundant_slots", "m_tile")
 COST_KEYS = ("beta_tile_ms", "bytes_per_expert", "link_bandwidth_gbps", "copy_latency_ms", "window_ms")
@@ -118,11 +118,7 @@ def read_file(path: str, field: str) -> dict | list:
     if not p.is_file():
         raise ValueError(f"{field}: expected an existing file, got {path!r}")
     if p.suffix == ".npz":
-        try:
-            with np.load(p, allow_pickle=False) as data:
-                return {k: data[k] for k in data.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # empty or not a zip archive: EOF/BadZip
-            raise ValueError(f"{field}: {path!r} is not a readable .npz ({exc or type(exc).__name__})") from None
+        return read_npz(p, field)
     try:
         return json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -92,20 +92,25 @@ def save_npz(path: str | os.PathLike, arrays: dict[str, np.ndarray], meta: dict[
     return path
 
 
+def read_npz(path: str | os.PathLike, field: str) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path`` (no pickles), or ValueError naming ``field`` when
+    it is not a readable .npz file (absent, empty, not a zip archive, a pickled array)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{field}: expected an existing .npz file, got {str(path)!r}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:   # empty or not a zip archive: EOF/BadZip
+        raise ValueError(f"{field}: {str(path)!r} is not a readable .npz file ({exc or type(exc).__name__})") from None
+
+
 def load_npz(path: str | os.PathLike, kind: str, arrays: tuple[str, ...], meta_str: tuple[str, ...],
              meta_int: tuple[str, ...], hint: str = "") -> dict[str, object]:
     """The fields of an afore ``.npz`` file: ``arrays`` as arrays, ``meta_str`` as str and
     ``meta_int`` as int. Raises ValueError naming ``kind`` (no readable file) or the field
-    (missing, or not an integer scalar); ``hint`` is appended to the message of a missing field.
-    No pickles are read."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{kind}: expected an existing .npz file, got {str(path)!r}")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            fields = {key: data[key] for key in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:   # empty or not a zip archive: EOF/BadZip
-        raise ValueError(f"{kind}: {str(path)!r} is not a readable .npz file ({exc or type(exc).__name__})") from None
+    (missing, or not an integer scalar); ``hint`` is appended to the message of a missing field."""
+    fields = read_npz(path, kind)
     for name in arrays + meta_str + meta_int:
         if name not in fields:
             raise ValueError(f"{name}: missing from {kind} {str(path)!r}{hint}")
