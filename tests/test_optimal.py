@@ -196,3 +196,70 @@ def test_afore_extensions_beat_the_paper_rule_where_slots_are_scarce():
     alone, _ = core.schedule(*args[:5], paper, *args[6:])
     k = tile_counts(args[0], args[1])
     assert greedy.max_tile_load == algorithm.average_bound(k, args[0].num_workers) < alone.max_tile_load
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_budget_bound_never_exceeds_the_optimum(seed):
+    # Small instances with budgets 0..3 (and existing, protected bindings): the bound that counts
+    # the copies each overloaded worker needs is a lower bound of the brute-force optimum.
+    from afore.scheduler.optimal import budget_bound
+
+    shape, demand, table, protected, _ = _instance(seed)
+    k = tile_counts(shape, demand)
+    bound_on = np.zeros((shape.num_experts, shape.num_workers), bool)
+    w, r = np.nonzero(table.expert >= 0)
+    bound_on[table.expert[w, r], w] = True
+    for budget in range(4):
+        assert budget_bound(shape, k, bound_on, budget) <= brute_force(shape, demand, table, protected, budget)
+
+
+def test_budget_bound_certifies_one_copy_on_a_cold_table():
+    # One copy on a cold table: only the most loaded worker can shed, so the second largest
+    # primary load bounds the optimum; the average and per-expert bounds are far below it.
+    shape = ClusterShape(num_experts=8, num_workers=4, redundant_slots=1, m_tile=1, top_k=1)
+    demand = np.array([9, 1, 7, 1, 5, 1, 1, 1])  # primary loads 10, 8, 6, 2
+    table, protected = SlotTable.empty(shape), np.zeros((4, 1), bool)
+    params = SchedulerParams(copy_budget=1)
+    plan, _ = core.schedule(shape, demand, table, protected, None, params, CostModel(window_ms=1e3), Target(0, 0, 0), 0)
+    cert = certify(shape, demand, table, protected, params, incumbent=plan.tiles)
+    assert algorithm.average_bound(tile_counts(shape, demand), 4) == 7
+    assert (cert.method, cert.optimum, plan.max_tile_load) == ("bound", 8, 8)
+
+
+def _small_budget_cases():
+    cases = []
+    for kind in ("cold", "burst"):
+        for seed in range(16):
+            f = _holdout(kind, seed)[0].num_workers
+            if f <= 16:
+                cases += [(kind, seed, b) for b in sorted({1, max(1, f // 4), f // 2, f - 1})]
+    return cases
+
+
+def test_greedy_with_budgets_below_f_against_the_milp():
+    # B < F on cold tables and bursts, R = 1 or 2, budgets 1, F/4, F/2 and F - 1: the core equals
+    # the reference, never beats the certified bound and never does worse than the paper's rule
+    # alone; where the MILP closes the instance the greedy is mostly at the optimum. The known
+    # misses are bursts where the receiver with room for a hot expert's copy is a worker that
+    # must first push its own tiles to existing replicas (burst seed 1, B = 1: 41 vs 38).
+    certified = optimal = paper_optimal = 0
+    for kind, seed, budget in _small_budget_cases():
+        args = _holdout(kind, seed)
+        args[5] = SchedulerParams(copy_budget=budget)
+        plan, _ = core.schedule(*args)
+        reference, _ = algorithm.schedule(*args)
+        assert np.array_equal(plan.tiles, reference.tiles) and np.array_equal(plan.copies, reference.copies)
+        assert len(plan.copies) <= budget
+        paper, _ = core.schedule(*args[:5], SchedulerParams(copy_budget=budget, chains=False), *args[6:])
+        assert plan.max_tile_load <= paper.max_tile_load
+        cert = certify(args[0], args[1], args[2], args[3], args[5], time_limit_s=2, incumbent=plan.tiles)
+        assert cert.lower_bound <= plan.max_tile_load
+        if cert.status == "optimal":
+            certified += 1
+            optimal += plan.max_tile_load == cert.optimum
+            paper_optimal += paper.max_tile_load == cert.optimum
+            assert plan.max_tile_load <= cert.optimum + 3
+    # Which instances HiGHS closes within 2 s depends on the machine's load. Measured (seeds
+    # 0-15, 2026-12-02): 32 of 33 and 33 of 38 certified instances optimal (the misses: burst
+    # seed 1, B = 1, 4, 8, up to 3 tiles above); the paper's rule alone 22 of 33.
+    assert certified >= 25 and optimal >= 0.8 * certified and optimal > paper_optimal

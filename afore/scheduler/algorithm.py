@@ -50,6 +50,15 @@ Phases (paper Algorithm 1; the parts marked [chains] go beyond the paper and run
    net-gain rule. The search ends when no step exists or when it would take the tile moves of
    this phase above ``max_beyond_hops`` = 4 F (R + 1) (a chain of n hops counts n; the paper's
    search makes at most F R moves, so the cap only bounds chains).
+   [chains] Stage 3b: when the better of those plans ends above max(ceil(sum k / F),
+   ``replica_bound``), ``search_level`` tries to bring every worker to one tile below it with a
+   copy-efficient search (the most loaded worker first, existing replicas and paths through them
+   before copies, best-fit receivers), from the state after stage 2; a plan that reaches its
+   level with a larger net gain replaces the best, and the next level down is tried. With
+   B < F the paper's half-gap moves spend the budget on early, small deficits and end with
+   overloaded workers and no copy left; this is where the gap to the MILP optimum was. Like the
+   chains, it runs only for theta = 0 (the certifier's setting; theta >= 1 keeps the paper's
+   search exactly).
 4. Token fill: a[e, w] = N[e, w] * M_tile on every worker but one, which takes the remainder:
    the primary if it holds tiles of e, else the highest-index worker holding tiles of e. So each
    expert has at most one partial tile and ceil(a / M_tile) = N.
@@ -172,10 +181,21 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     search = (shape, inp, params, cost, f0, tiles, load, has, binding)
     level = average_bound(k, f)
     best_gain, best_exposed, best = search_beyond(*search, level=None, floor=level)
-    if params.chains and int(best[1].max()) > level:
+    if params.chains and theta == 0 and int(best[1].max()) > level:
         gain, exposed, other = search_beyond(*search, level=level, floor=level)
         if gain > best_gain:
             best_gain, best_exposed, best = gain, exposed, other
+    # [chains] (theta = 0, like the chains: theta >= 1 keeps the paper's search exactly) Stage 3b:
+    # copy-efficient searches to ever lower levels, while one reaches its level.
+    if params.chains and theta == 0:
+        floor = max(level, replica_bound(k, has, min(params.copy_budget, f * shape.redundant_slots)))
+        target_level = int(best[1].max()) - 1
+        while target_level >= floor:
+            found = search_level(*search, level=target_level)
+            if found is None or found[0] <= best_gain:
+                break
+            best_gain, best_exposed, best = found
+            target_level -= 1
     tiles, load, has, binding, copies = best
 
     assignment = fill_tokens(inp.demand, k, tiles, owner, m)
@@ -270,6 +290,185 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
         if int(load.max()) <= floor:
             break
     return best_gain, best_exposed, best
+
+
+def replica_bound(k: np.ndarray, has: np.ndarray, budget: int) -> int:
+    """max_e ceil(k_e / min(F, replicas_e + B)): a lower bound on the max tile load (tiles) of any
+    plan with at most ``budget`` new replicas (each expert's tiles spread over at most that many
+    workers); the certifier's own bound is at least this (it also counts the slots left)."""
+    f = has.shape[1]
+    busy = np.flatnonzero(k)
+    if busy.size == 0:
+        return 0
+    most = np.minimum(has[busy].sum(axis=1) + min(budget, f), f)
+    return int((-(-k[busy] // most)).max())
+
+
+def search_level(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost: CostModel, f0: float,
+                 tiles: np.ndarray, load: np.ndarray, has: np.ndarray, binding: np.ndarray,
+                 level: int) -> tuple[float, float, tuple] | None:
+    """[chains] Stage 3b: bring every worker to at most ``level`` tiles with few copies, from the
+    state after stage 2 (not mutated); (gain, exposed, candidate) as ``search_beyond``, or None
+    when the level is not reached within the copy budget.
+
+    The paper's search spends a copy on half the gap between the most and the least loaded
+    workers; with B < F (or R = 1) that spends the budget on moves that a later, larger deficit
+    needed, and ends with overloaded workers and no copy left. Here each step relieves the most
+    loaded worker h (ties: lower index) of up to its excess x = T_h - level, with the first of:
+    a move of q = min(N[e, h], x, level - T_c) > theta tiles of an expert e on h onto an existing
+    replica on a worker c (``find_level_move``); a path through existing replicas to a worker
+    below the level (``find_level_path``); and, while fewer than B copies are planned, the same
+    two ending in a new replica in a safe slot (``safe_slot``, same rules as stage 3). So copies
+    are spent only where the placement cannot absorb the excess. Among the direct moves of a step
+    the order is (q desc, T_c desc, c asc, N[e, h] desc, e asc): the largest relief, then the
+    fullest receiver that gives it (best fit, keeping room for later deficits). Every step lowers
+    the total excess, so this terminates; it gives up (None) when a step finds nothing or the
+    hops exceed ``max_beyond_hops``.
+    """
+    f = shape.num_workers
+    owner, pcount = shape.primary_owner, shape.primary_counts
+    theta, budget = params.theta, min(params.copy_budget, f * shape.redundant_slots)
+    tiles, load, has, binding = tiles.copy(), load.copy(), has.copy(), binding.copy()
+    reserved = np.zeros_like(inp.protected)
+    copies: list[tuple[int, int, int, int]] = []
+    copies_into = np.zeros(f, np.int64)
+    hops_left = max_beyond_hops(f, shape.redundant_slots)
+    while (excess := int(load.max()) - level) > 0:
+        h = int(np.argmax(load))
+        slots = None
+        if len(copies) < budget:
+            blocked = inp.protected | reserved
+            slots = [safe_slot(w, tiles, binding, inp.table_last_used, blocked) for w in range(f)]
+        hops = None
+        for allowed in (None, slots) if slots is not None else (None,):  # copies only when needed
+            move = find_level_move(tiles, load, has, theta, h, excess, level, allowed)
+            hops = None if move is None else [(move[0], h, move[1], move[2], move[3])]
+            if hops is None:
+                hops = find_level_path(tiles, load, has, theta, h, excess, level, allowed)
+            if hops is not None:
+                break
+        if hops is None or len(hops) > hops_left:
+            return None
+        hops_left -= len(hops)
+        for e, u, c, r, q in hops:
+            if r >= 0:
+                old = int(binding[c, r])
+                if old >= 0:
+                    has[old, c] = False
+                binding[c, r] = e
+                has[e, c] = True
+                reserved[c, r] = True
+                copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
+                copies_into[c] += 1
+            _move_tiles(tiles, load, e, u, c, q)
+    exposed = exposed_cost(int(copies_into.max()), cost.copy_ms, cost.window_ms)
+    gain = f0 - cost.beta_tile_ms * int(load.max()) - exposed
+    return gain, exposed, (tiles, load, has, binding, copies)
+
+
+def find_level_move(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta: int, h: int, excess: int,
+                    level: int, slots: list[int | None] | None) -> tuple[int, int, int, int] | None:
+    """FindLevelMove: (e, c, r, q) out of worker h for ``search_level``, or None: with ``slots``
+    None a move onto an existing replica (r = -1), else onto a new replica in c's slot r =
+    slots[c]."""
+    movable = np.flatnonzero(tiles[:, h] > theta)
+    if movable.size == 0:
+        return None
+    n = tiles[movable, h]
+    by_tiles = movable[np.lexsort((movable, -n))]  # N[e, h] desc, e asc
+    for copy in (slots is not None,):
+        best, best_key = None, None
+        for c in range(load.size):
+            slack = level - int(load[c])
+            if c == h or slack <= theta or (copy and slots[c] is None):
+                continue
+            usable = by_tiles[has[by_tiles, c] != copy]
+            if usable.size == 0:
+                continue
+            e = int(usable[0])
+            q = min(int(tiles[e, h]), excess, slack)
+            if q <= theta:
+                continue
+            key = (-q, -int(load[c]), c)
+            if best_key is None or key < best_key:
+                best, best_key = (e, c, slots[c] if copy else -1, q), key
+        if best is not None:
+            return best
+    return None
+
+
+def find_level_path(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta: int, h: int, excess: int,
+                    level: int, slots: list[int | None] | None) -> list[tuple[int, int, int, int, int]] | None:
+    """FindLevelPath: when h has no direct move, a path of hops (e, u, v, r, q) from h to a worker
+    below ``level`` that moves q tiles along it (each inner worker takes q and gives q of another
+    expert, so its load is kept), or None. r is -1 for a hop onto an existing replica, else the
+    slot of v bound to e (a copy, only the last hop). This is how a copy reaches a receiver whose
+    room is behind another worker: h -> (existing replica) u -> (new replica) c.
+
+    Breadth-first search over placement edges u -> v (some e with N[e, u] > theta has a replica
+    on v), each worker visited once, levels expanded in increasing worker index, a worker's parent
+    the first worker of the previous level with an edge to it. It stops at the first level with a
+    worker c with level - T_c > theta, the first by (T_c, c). Else, with ``slots``, the first
+    visited worker u (BFS order) with a copy edge to a worker c (safe slot, level - T_c > theta,
+    an e with N[e, u] > theta and no replica on c) ends the path with that copy, c by
+    (q desc, T_c desc, c asc). Each hop moves its expert with the most tiles on u (ties: lower
+    index); q = min(excess, level - T_c, the hops' N[e, u]), and must exceed theta.
+    """
+    f = load.size
+    parent = np.full(f, -1, np.int64)
+    seen = np.zeros(f, bool)
+    seen[h] = True
+    order, frontier, end = [h], [h], None
+    while frontier and end is None:
+        found = []
+        for u in frontier:
+            new = np.flatnonzero(has[tiles[:, u] > theta].any(axis=0) & ~seen)
+            parent[new], seen[new] = u, True
+            found += new.tolist()
+        frontier = sorted(found)
+        order += frontier
+        light = [v for v in frontier if level - int(load[v]) > theta]
+        if light:
+            end = min(light, key=lambda v: (int(load[v]), v))
+    copy_hop = None
+    if end is None:
+        if slots is None:
+            return None
+        for u in order[1:]:  # h's own copies were the direct moves
+            movable = np.flatnonzero(tiles[:, u] > theta)
+            by_tiles = movable[np.lexsort((movable, -tiles[movable, u]))]
+            best_key = None
+            for c in range(f):
+                slack = level - int(load[c])
+                if seen[c] or slots[c] is None or slack <= theta:
+                    continue
+                usable = by_tiles[~has[by_tiles, c]]
+                if usable.size == 0:
+                    continue
+                key = (-min(int(tiles[usable[0], u]), slack), -int(load[c]), c)
+                if best_key is None or key < best_key:
+                    best_key, copy_hop = key, (int(usable[0]), u, c, slots[c])
+            if copy_hop is not None:
+                break
+        if copy_hop is None:
+            return None
+        end = copy_hop[1]
+    hops = []
+    v = end
+    while parent[v] >= 0:
+        u = int(parent[v])
+        movable = np.flatnonzero((tiles[:, u] > theta) & has[:, v])
+        e = int(movable[np.lexsort((movable, -tiles[movable, u]))][0])
+        hops.append([e, u, v, -1])
+        v = u
+    hops.reverse()
+    if copy_hop is not None:
+        hops.append(list(copy_hop))
+    last = hops[-1][2]
+    q = min([excess, level - int(load[last])] + [int(tiles[e, u]) for e, u, _, _ in hops])
+    if q <= theta:
+        return None
+    return [(e, u, v, r, q) for e, u, v, r in hops]
 
 
 def max_beyond_hops(num_workers: int, redundant_slots: int) -> int:

@@ -104,6 +104,7 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   max_hops_ = 4 * F_ * (R_ + 1);  // algorithm.max_beyond_hops
   moves_.reserve(static_cast<size_t>(max_hops_));
   kept_.reserve(static_cast<size_t>(max_hops_));
+  by_tiles_.assign(E_, 0);
   chain_.resize(F_);
   bfs_queue_.assign(F_, 0);
   bfs_parent_.assign(F_, -1);
@@ -596,9 +597,17 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
   int64_t total_tiles = 0;
   for (int64_t x = 0; x < E_; ++x) total_tiles += k_[x];
   const int64_t level = (total_tiles + F_ - 1) / F_;
+  // algorithm.replica_bound, on the placement after stage 2 (no copies yet).
+  const int64_t budget = std::min(in.copy_budget, F_ * R_);
+  int64_t replica_bound = 0;
+  for (int64_t x = 0; x < E_; ++x) {
+    if (k_[x] == 0) continue;
+    const int64_t most = std::min<int64_t>(rep_count_[x] + std::min(budget, F_), F_);
+    replica_bound = std::max(replica_bound, (k_[x] + most - 1) / most);
+  }
   search_beyond(in, f0, -1, level, best_gain, best_exposed);
   beyond_moves_ = searched_moves_;
-  if (in.chains && load_[donors_[0]] > level) {
+  if (in.chains && in.theta == 0 && load_[donors_[0]] > level) {
     kept_.assign(moves_.begin(), moves_.end());
     undo_moves(0);
     double gain = 0.0, exposed = 0.0;
@@ -612,6 +621,28 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
       for (const Move& m : kept_) redo_move(m);
       moves_.assign(kept_.begin(), kept_.end());
     }
+  }
+  // [chains] Stage 3b (algorithm.search_level): copy-efficient searches to ever lower levels,
+  // each from the state after stage 2, while one reaches its level with a better gain.
+  int64_t target_level = load_[donors_[0]] - 1;
+  if (in.chains && in.theta == 0 && target_level >= std::max(level, replica_bound)) {
+    kept_.assign(moves_.begin(), moves_.end());
+    undo_moves(0);
+    for (; target_level >= std::max(level, replica_bound); --target_level) {
+      double gain = 0.0, exposed = 0.0;
+      const bool reached = search_level(in, f0, target_level, gain, exposed);
+      beyond_moves_ += static_cast<int64_t>(moves_.size());
+      const bool better = reached && gain > best_gain;
+      if (better) {
+        best_gain = gain;
+        best_exposed = exposed;
+        kept_.assign(moves_.begin(), moves_.end());
+      }
+      undo_moves(0);
+      if (!better) break;
+    }
+    for (const Move& m : kept_) redo_move(m);
+    moves_.assign(kept_.begin(), kept_.end());
   }
   out.gain_ms = best_gain;
   out.exposed_ms = best_exposed;
@@ -680,6 +711,204 @@ void Scheduler::search_beyond(const ScheduleInputs& in, double f0, int64_t level
   }
   searched_moves_ = static_cast<int64_t>(moves_.size());
   undo_moves(best_len);
+}
+
+// algorithm.search_level from the current state: moves go to the undo log moves_ (the caller
+// undoes them); true with (gain, exposed) when every worker ends at most `level` tiles.
+bool Scheduler::search_level(const ScheduleInputs& in, double f0, int64_t level, double& gain,
+                             double& exposed) {
+  moves_.clear();
+  std::fill(reserved_.begin(), reserved_.end(), 0);
+  std::fill(copies_into_.begin(), copies_into_.end(), 0);
+  const int64_t budget = std::min(in.copy_budget, F_ * R_);
+  if (budget > 0)
+    for (int32_t w = 0; w < F_; ++w) safe_slot_[w] = safe_slot(w, in);
+  int64_t n_copies = 0, max_into = 0, hops_left = max_hops_;
+  while (load_[donors_[0]] > level) {
+    const int32_t h = donors_[0];
+    const int64_t excess = load_[h] - level;
+    int32_t n_hops = 0;
+    int64_t q = 0;
+    // Copies only when the placement cannot take the excess (algorithm.search_level).
+    for (int copy = 0; copy < (n_copies < budget ? 2 : 1) && n_hops == 0; ++copy) {
+      int32_t e, c, r;
+      if (find_level_move(in, h, excess, level, copy != 0, e, c, r, q)) {
+        chain_[0] = Hop{e, h, c, r};
+        n_hops = 1;
+      } else if (!find_level_path(in, h, excess, level, copy != 0, n_hops, q)) {
+        n_hops = 0;
+      }
+    }
+    if (n_hops == 0 || n_hops > hops_left) return false;
+    hops_left -= n_hops;
+    for (int32_t i = 0; i < n_hops; ++i) {
+      const Hop hop = chain_[i];
+      int32_t old = -1;
+      if (hop.slot >= 0) {
+        old = binding_[hop.to * R_ + hop.slot];
+        reserved_[hop.to * R_ + hop.slot] = 1;
+        max_into = std::max(max_into, ++copies_into_[hop.to]);
+        ++n_copies;
+      }
+      const Move m{hop.expert, hop.from, hop.to, hop.slot, old, q};
+      moves_.push_back(m);
+      redo_move(m);
+    }
+    if (budget > 0)  // only the hops' workers changed tiles, binding or reservation
+      for (int32_t i = 0; i < n_hops; ++i) {
+        safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
+        safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
+      }
+  }
+  exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
+  gain = f0 - in.beta_tile_ms * static_cast<double>(load_[donors_[0]]) - exposed;
+  return true;
+}
+
+// by_tiles_[0, n): the experts with more than theta tiles on u by (N[e, u] desc, e asc).
+int32_t Scheduler::sort_movable(int32_t u, int64_t theta) {
+  const int32_t* on = &on_[u * E_];
+  int32_t n = 0;
+  for (int32_t j = 0; j < on_count_[u]; ++j)
+    if (tiles_[on[j] * F_ + u] > theta) by_tiles_[n++] = on[j];
+  const int32_t* tiles_u = &tiles_[u];
+  const int64_t stride = F_;
+  std::sort(by_tiles_.begin(), by_tiles_.begin() + n, [&](int32_t a, int32_t b) {
+    const int32_t na = tiles_u[a * stride], nb = tiles_u[b * stride];
+    return na > nb || (na == nb && a < b);
+  });
+  return n;
+}
+
+// algorithm.find_level_move: the direct move out of h of search_level, onto an existing replica
+// (copy false) or onto a new replica in a safe slot (copy true); order (q desc, T_c desc, c asc,
+// N[e, h] desc, e asc).
+bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t excess,
+                                int64_t level, bool copy, int32_t& e, int32_t& c,
+                                int32_t& r, int64_t& q) {
+  const int64_t theta = in.theta;
+  const int32_t n = sort_movable(h, theta);
+  if (n == 0) return false;
+  int32_t best_c = -1, best_e = -1;
+  int64_t best_q = 0;
+  for (int32_t w = 0; w < F_; ++w) {
+    const int64_t slack = level - load_[w];
+    if (w == h || slack <= theta || (copy && safe_slot_[w] < 0)) continue;
+    int32_t x = -1;
+    for (int32_t j = 0; j < n; ++j)
+      if ((has_[by_tiles_[j] * F_ + w] != 0) != copy) {
+        x = by_tiles_[j];
+        break;
+      }
+    if (x < 0) continue;
+    const int64_t qx = std::min<int64_t>(std::min<int64_t>(tiles_[x * F_ + h], excess), slack);
+    if (qx <= theta) continue;
+    if (best_c < 0 || qx > best_q || (qx == best_q && load_[w] > load_[best_c])) {
+      best_c = w;
+      best_e = x;
+      best_q = qx;
+    }
+  }
+  if (best_c < 0) return false;
+  e = best_e;
+  c = best_c;
+  r = copy ? safe_slot_[best_c] : -1;
+  q = best_q;
+  return true;
+}
+
+// algorithm.find_level_path: a path of hops from h through existing replicas to a worker below
+// the level, or (copy) ending in a new replica; hops to chain_[0, n_hops), q tiles each.
+bool Scheduler::find_level_path(const ScheduleInputs& in, int32_t h, int64_t excess,
+                                int64_t level, bool copy, int32_t& n_hops, int64_t& q) {
+  const int64_t theta = in.theta;
+  const int64_t stamp = ++bfs_stamp_;
+  int32_t n = 0;
+  bfs_seen_[h] = stamp;
+  bfs_parent_[h] = -1;
+  bfs_queue_[n++] = h;
+  int32_t begin = 0, end = n, last = -1;
+  while (begin < end && last < 0) {
+    for (int32_t i = begin; i < end; ++i) {
+      const int32_t u = bfs_queue_[i];
+      const int32_t* on = &on_[u * E_];
+      for (int32_t j = 0; j < on_count_[u]; ++j) {
+        const int32_t x = on[j];
+        if (tiles_[x * F_ + u] <= theta || bfs_expanded_[x] == stamp) continue;
+        bfs_expanded_[x] = stamp;  // every replica of x is visited from here on
+        const int32_t* reps = &rep_[x * F_];
+        for (int32_t k = 0; k < rep_count_[x]; ++k) {
+          const int32_t v = reps[k];
+          if (bfs_seen_[v] == stamp) continue;
+          bfs_seen_[v] = stamp;
+          bfs_parent_[v] = u;
+          bfs_queue_[n++] = v;
+        }
+      }
+    }
+    std::sort(bfs_queue_.begin() + end, bfs_queue_.begin() + n);
+    for (int32_t i = end; i < n; ++i) {
+      const int32_t v = bfs_queue_[i];
+      if (level - load_[v] > theta && (last < 0 || load_[v] < load_[last])) last = v;
+    }
+    begin = end;
+    end = n;
+  }
+  int32_t copy_e = -1, copy_from = -1, copy_to = -1;
+  if (last < 0) {
+    if (!copy) return false;
+    for (int32_t i = 1; i < n && copy_to < 0; ++i) {  // h's own copies were the direct moves
+      const int32_t u = bfs_queue_[i];
+      const int32_t m = sort_movable(u, theta);
+      int64_t best_q = 0;
+      for (int32_t c = 0; c < F_; ++c) {
+        const int64_t slack = level - load_[c];
+        if (bfs_seen_[c] == stamp || safe_slot_[c] < 0 || slack <= theta) continue;
+        int32_t x = -1;
+        for (int32_t j = 0; j < m; ++j)
+          if (!has_[by_tiles_[j] * F_ + c]) {
+            x = by_tiles_[j];
+            break;
+          }
+        if (x < 0) continue;
+        const int64_t qx = std::min<int64_t>(tiles_[x * F_ + u], slack);
+        if (copy_to < 0 || qx > best_q || (qx == best_q && load_[c] > load_[copy_to])) {
+          copy_e = x;
+          copy_from = u;
+          copy_to = c;
+          best_q = qx;
+        }
+      }
+    }
+    if (copy_to < 0) return false;
+    last = copy_from;
+  }
+  int32_t len = 0;
+  for (int32_t v = last; bfs_parent_[v] >= 0; v = bfs_parent_[v]) ++len;
+  n_hops = len + (copy_to >= 0 ? 1 : 0);
+  int64_t amount = excess;
+  for (int32_t v = last; bfs_parent_[v] >= 0; v = bfs_parent_[v]) {
+    const int32_t u = bfs_parent_[v];
+    // The expert with the most tiles on u among those with a replica on v (ties: lower index).
+    const int32_t* on = &on_[u * E_];
+    int32_t best = -1;
+    for (int32_t j = 0; j < on_count_[u]; ++j) {
+      const int32_t x = on[j];
+      const int32_t t = tiles_[x * F_ + u];
+      if (t <= theta || !has_[x * F_ + v]) continue;
+      if (best < 0 || t > tiles_[best * F_ + u] || (t == tiles_[best * F_ + u] && x < best)) best = x;
+    }
+    chain_[--len] = Hop{best, u, v, -1};
+    amount = std::min<int64_t>(amount, tiles_[best * F_ + u]);
+  }
+  int32_t end_worker = last;
+  if (copy_to >= 0) {
+    chain_[n_hops - 1] = Hop{copy_e, copy_from, copy_to, safe_slot_[copy_to]};
+    amount = std::min<int64_t>(amount, tiles_[copy_e * F_ + copy_from]);
+    end_worker = copy_to;
+  }
+  q = std::min<int64_t>(amount, level - load_[end_worker]);
+  return q > theta;
 }
 
 // Apply one logged move: rebind the slot (if any) to its expert, then move the tiles.

@@ -81,6 +81,13 @@ class Scheduler {
   void rebalance_within(int64_t theta, bool chains);
   void search_beyond(const ScheduleInputs& in, double f0, int64_t level, int64_t floor,
                      double& best_gain, double& best_exposed);
+  bool search_level(const ScheduleInputs& in, double f0, int64_t level, double& gain,
+                    double& exposed);
+  int32_t sort_movable(int32_t u, int64_t theta);
+  bool find_level_move(const ScheduleInputs& in, int32_t h, int64_t excess, int64_t level,
+                       bool copy, int32_t& e, int32_t& c, int32_t& r, int64_t& q);
+  bool find_level_path(const ScheduleInputs& in, int32_t h, int64_t excess, int64_t level,
+                       bool copy, int32_t& n_hops, int64_t& q);
   void redo_move(const Move& m);
   void undo_moves(size_t keep);
   int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
@@ -138,6 +145,7 @@ class Scheduler {
   std::vector<Move> kept_;            // the first search's candidate while the second one runs
   int64_t searched_moves_ = 0;        // moves explored by the last search_beyond
   int64_t max_hops_ = 0;              // cap on the tile moves of the beyond phase
+  std::vector<int32_t> by_tiles_;     // [E] search_level: the donor's movable experts by (N desc, id)
   std::vector<Hop> chain_;            // [F] hops of the last chain found
   std::vector<int32_t> bfs_queue_;    // [F] chain search: visited workers, level by level
   std::vector<int32_t> bfs_parent_;   // [F]
