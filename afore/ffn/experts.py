@@ -349,11 +349,14 @@ def host_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor,
     pair_slot = slot[pairs].astype(np.int64)
     by_slot = np.argsort(pair_slot, kind="stable")   # groups in slot order, routing order inside
     pairs, pair_slot = pairs[by_slot], pair_slot[by_slot]
-    tokens, local = np.unique(pairs // k, return_inverse=True)
+    pair_token = pairs // k
+    has = np.bincount(pair_token, minlength=n) > 0
+    tokens = np.flatnonzero(has)                      # ascending
+    local = (np.cumsum(has) - 1)[pair_token]          # row of each pair's token in ``tokens``
     x = rows_for(torch.from_numpy(tokens)).to(dtype)
     offs = torch.from_numpy(np.cumsum(np.bincount(pair_slot, minlength=num_slots)).astype(np.int32))
     sorted_key = torch.from_numpy(pair_slot)
-    gate_up = _grouped_mm(x[torch.from_numpy(pairs // k)], w13, offs, sorted_key)
+    gate_up = _grouped_mm(x[torch.from_numpy(pair_token)], w13, offs, sorted_key)
     act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(dtype)
     y = _grouped_mm(act, w2, offs, sorted_key).float() * topk_weights.reshape(-1).float()[torch.from_numpy(pairs), None]
     # per (token, k) slot as the torch backend sums them: [U, k, H], zeros where another worker runs the pair

@@ -150,8 +150,9 @@ void MailboxConsumer::expire(uint64_t now) {
 bool MailboxConsumer::wait_complete(uint64_t timeout_ns, uint64_t spin_ns, Complete& out) {
   require(hdr_ != nullptr, "mailbox: closed");
   uint64_t start = monotonic_ns();
-  Backoff backoff(spin_ns);
+  Backoff backoff(spin_ns, reinterpret_cast<const uint32_t*>(&hdr_->doorbell));  // woken by every put
   for (;;) {
+    uint32_t seen = backoff.observe();
     drain();
     uint64_t now = monotonic_ns();
     hdr_->consumer_heartbeat_ns.store(now, std::memory_order_relaxed);
@@ -166,7 +167,7 @@ bool MailboxConsumer::wait_complete(uint64_t timeout_ns, uint64_t spin_ns, Compl
     }
     expire(now);
     if (now - start >= timeout_ns) return false;
-    backoff.pause();
+    backoff.pause(seen, timeout_ns - (now - start));
   }
 }
 
@@ -264,6 +265,8 @@ bool MailboxProducer::put(int64_t step, int32_t layer, int32_t microbatch, int32
   r->head.store(head + 1, std::memory_order_release);  // publish: payload visible before head
   r->last_seq.store(seq, std::memory_order_relaxed);
   r->accepted.fetch_add(1, std::memory_order_relaxed);
+  hdr_->doorbell.fetch_add(1, std::memory_order_release);  // wake the consumer sleeping in wait_complete
+  futex_wake(reinterpret_cast<const uint32_t*>(&hdr_->doorbell));
   return true;
 }
 

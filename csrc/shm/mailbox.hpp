@@ -44,6 +44,8 @@ struct alignas(kCacheLine) MailboxHeader {
   int32_t consumer_pid;
   uint32_t pad0;
   std::atomic<uint64_t> consumer_heartbeat_ns;
+  std::atomic<uint32_t> doorbell;  // bumped by every put (the consumer sleeps on it: a futex word)
+  uint32_t pad1;
   // consumer-side counters (written by the consumer only; read by `afore status`)
   alignas(kCacheLine) std::atomic<uint64_t> completed;
   std::atomic<uint64_t> incomplete_skipped;  // a later target completed first: can never complete

@@ -158,6 +158,7 @@ int64_t RingWriter::publish(int64_t seq, int64_t step, int32_t layer, int32_t mi
   store_relaxed(s->publish_ns, monotonic_ns());
   s->commit.store(2 * index + 2, std::memory_order_release);
   hdr_->write_index.store(index + 1, std::memory_order_release);
+  futex_wake(low_word(hdr_->write_index));  // readers sleeping in wait_read
   hdr_->last_seq.store(seq, std::memory_order_relaxed);
   hdr_->published.fetch_add(1, std::memory_order_relaxed);
   return int64_t(index);
@@ -283,11 +284,13 @@ RingReader::Result RingReader::read(int64_t want) {
 
 RingReader::Result RingReader::wait_read(int64_t want, uint64_t timeout_ns, uint64_t spin_ns) {
   uint64_t start = monotonic_ns();
-  Backoff backoff(spin_ns);
+  Backoff backoff(spin_ns, low_word(hdr_->write_index));  // woken by the publish
   for (;;) {
+    uint32_t seen = backoff.observe();
     Result r = read(want);  // kWriterDead returns at once: no plan is coming
-    if (r.status != kNotYet || monotonic_ns() - start >= timeout_ns) return r;
-    backoff.pause();
+    uint64_t waited = monotonic_ns() - start;
+    if (r.status != kNotYet || waited >= timeout_ns) return r;
+    backoff.pause(seen, timeout_ns - waited);
   }
 }
 

@@ -16,7 +16,12 @@
 #include <stdexcept>
 #include <string>
 
+#include <algorithm>
+#include <climits>
+
 #include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -104,23 +109,48 @@ inline void sleep_ns(uint64_t ns) {
   nanosleep(&ts, nullptr);
 }
 
-// Waits with a spin phase (lowest latency, burns a core) and then sleeps growing from
-// 20 us to 1 ms, so that an idle consumer costs little CPU on a shared machine.
+// Futex doorbells. A writer that publishes bumps a 32-bit word of the shared segment and wakes
+// the processes sleeping on it (FUTEX_WAKE without the private flag: the word lives in a
+// MAP_SHARED mapping of several processes); a waiter reads the word *before* it checks for
+// data and sleeps only while the word still holds that value, so no publish is missed.
+inline const uint32_t* low_word(const std::atomic<uint64_t>& counter) {
+  static_assert(sizeof(std::atomic<uint64_t>) == 8, "a lock-free 64-bit atomic");
+  return reinterpret_cast<const uint32_t*>(&counter);  // the low half on little-endian x86-64 / aarch64
+}
+inline uint32_t load_word(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+inline void futex_wait(const uint32_t* word, uint32_t expected, uint64_t timeout_ns) {
+  timespec ts{time_t(timeout_ns / 1000000000ULL), long(timeout_ns % 1000000000ULL)};
+  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);  // EAGAIN/EINTR/ETIMEDOUT: the caller re-checks
+}
+inline void futex_wake(const uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
+
+// Waits with a spin phase (lowest latency, burns a core), then sleeps on the writer's doorbell
+// (woken by the publish itself, at most kMaxSleepNs at a time so that the caller re-checks the
+// writer's liveness and its deadlines), or without a doorbell sleeps growing from 20 us to 1 ms.
+// Use: `uint32_t seen = backoff.observe();` before checking for data, `backoff.pause(seen)` after.
 class Backoff {
  public:
-  explicit Backoff(uint64_t spin_ns) : spin_ns_(spin_ns), start_(monotonic_ns()) {}
-  void pause() {
+  static constexpr uint64_t kMaxSleepNs = 1000000;
+  explicit Backoff(uint64_t spin_ns, const uint32_t* doorbell = nullptr)
+      : spin_ns_(spin_ns), start_(monotonic_ns()), doorbell_(doorbell) {}
+  uint32_t observe() const { return doorbell_ ? load_word(doorbell_) : 0; }
+  void pause(uint32_t seen = 0, uint64_t left_ns = kMaxSleepNs) {
     if (monotonic_ns() - start_ < spin_ns_) {
       for (int i = 0; i < 4; ++i) cpu_relax();  // a pause is ~100 cycles on recent x86: keep the poll tight
       return;
     }
+    if (doorbell_ != nullptr) {
+      futex_wait(doorbell_, seen, std::min<uint64_t>(std::max<uint64_t>(left_ns, 1000), kMaxSleepNs));
+      return;
+    }
     sleep_ns(sleep_);
-    if (sleep_ < 1000000) sleep_ *= 2;
+    if (sleep_ < kMaxSleepNs) sleep_ *= 2;
   }
 
  private:
   uint64_t spin_ns_;
   uint64_t start_;
+  const uint32_t* doorbell_;
   uint64_t sleep_ = 20000;
 };
 
