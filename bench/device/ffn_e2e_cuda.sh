@@ -8,7 +8,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-index --target /tmp/site .devcarry/mini/*.whl 2>&1 | tail -2
+# what the host lacks, from the carried wheels (pytest and safetensors only where missing)
+need=".devcarry/mini/msgspec-*.whl .devcarry/mini/prometheus_client-*.whl"
+python3 -c 'import pytest' 2>/dev/null || need="$need $(ls .devcarry/mini/{pytest,pluggy,iniconfig,packaging}-*.whl | tr '\n' ' ')"
+python3 -c 'import safetensors' 2>/dev/null || need="$need $(ls .devcarry/mini/safetensors-*.whl)"
+python3 -m pip install -q --no-deps --no-index --target /tmp/site $need 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
 if [ ! -f afore/_shm*.so ]; then
   cmake -S . -B /tmp/afore-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" > /tmp/cmake.log \
