@@ -103,7 +103,7 @@ def _reader(ring_name: str, reader: int, total: int, shape: ClusterShape, core: 
     usable_ns = np.zeros(total, np.int64)
     decode_ns = np.zeros(total, np.int64)
     for seq in range(total):
-        status, _, payload, copied_ns = ring.wait_raw(seq, 30.0, spin_s)
+        status, _, payload, copied_ns = ring.wait_raw(seq, 30.0, spin_s, as_array=True)
         if status != _shm.FOUND:
             raise RuntimeError(f"reader {reader}: plan {seq} not found (status {status})")
         t0 = time.perf_counter_ns()
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
           f"{s['demand_bytes']} B; {s['iters']} targets after {s['warmup']} warm-up, mean gap {s['gap_us']} us.\n\n"
           + markdown_table(["path", "n", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us"], rows)
           + f"\n\nTarget on a 16-core host: p99 <= {target_us} us for both paths. {limits}\n\n"
-          "Reader decode = `decode_worker_plan` (structure, crc32, every indexing value) right after each copy, "
+          "Reader decode = `decode_worker_plan` (structure, checksum, every indexing value) right after each copy, "
           "per reader and plan; published -> usable = the latest reader's stamp after that decode minus the publish "
           "stamp (copy and decode as one figure; H200-host target: decode <= 5 us p99). Full decode = `decode_plan` "
           "(also row sums and tile loads, which the migrator checks itself) on a sample after the loop.\n")

@@ -11,7 +11,7 @@ pid and, when the ring was created with ``writer_timeout_s``, the writer's heart
 (``heartbeat()``, called by an idle scheduler); ``read``/``wait`` then return None at once and
 ``writer_dead`` is True, so a dead scheduler costs no plan timeout per target.
 
-Entries are ``plan_codec`` bytes: version, target, seq, crc32 and the int32 body. A reader
+Entries are ``plan_codec`` bytes: version, target, seq, checksum and the int32 body. A reader
 rejects (returns None and counts) stale, out-of-order, torn or corrupted plans and plans whose
 target does not match the one asked for (invariant 3).
 """
@@ -101,19 +101,23 @@ class PlanRing:
     # ---- reader
     def read(self, seq: int, target: Target | None = None) -> Plan | None:
         """The plan for ``seq`` if it is in the ring now, else None (not yet, missed or rejected)."""
-        return self._decode(self._handle.read(seq), seq, target)
+        return self._decode(self._handle.read(seq, True), seq, target)
 
     def wait(self, seq: int, timeout_s: float, target: Target | None = None, spin_s: float = 0.0) -> Plan | None:
         """Like ``read`` but waits up to ``timeout_s`` for the plan to be published."""
-        return self._decode(self._handle.wait_read(seq, timeout_s, spin_s), seq, target)
+        return self._decode(self._handle.wait_read(seq, timeout_s, spin_s, True), seq, target)
 
-    def wait_raw(self, seq: int, timeout_s: float, spin_s: float = 0.0) -> tuple[int, int, bytes | None, int]:
+    def wait_raw(self, seq: int, timeout_s: float, spin_s: float = 0.0,
+                 as_array: bool = False) -> tuple[int, int, bytes | None, int]:
         """(status, entry seq, payload, copied_ns) without decoding (benchmarks, stress tests).
+
+        ``as_array``: the payload as the writable uint8 array the ring copied into (what ``read``
+        decodes, without a second copy), else ``bytes``.
 
         status is ``_shm.FOUND``, ``NOT_YET``, ``MISSED`` (entry seq: the later plan that is
         there instead), ``CLOSED`` or ``WRITER_DEAD``.
         """
-        status, entry_seq, _, _, _, payload, copied_ns = self._handle.wait_read(seq, timeout_s, spin_s)
+        status, entry_seq, _, _, _, payload, copied_ns = self._handle.wait_read(seq, timeout_s, spin_s, as_array)
         self.writer_dead = status == _shm.WRITER_DEAD
         return status, entry_seq, payload, copied_ns
 

@@ -194,9 +194,85 @@ Out<int32_t, 1> plan_body(nb::bytes data, size_t offset, int64_t e, int64_t f, i
   return Out<int32_t, 1>(out.data, {static_cast<size_t>(n)}, out.owner);
 }
 
+// XXH64 (Yann Collet's xxHash, 64-bit; the reference algorithm), for the plan checksum: every
+// reader pays it for every plan, 1.3 us for 13 KB against 3.5 us for zlib's crc32 (dev CPU).
+constexpr uint64_t kP1 = 11400714785074694791ULL, kP2 = 14029467366897019727ULL,
+                   kP3 = 1609587929392839161ULL, kP4 = 9650029242287828579ULL,
+                   kP5 = 2870177450012600261ULL;
+inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t read64(const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; }
+inline uint32_t read32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline uint64_t xxh_round(uint64_t acc, uint64_t v) { return rotl64(acc + v * kP2, 31) * kP1; }
+inline uint64_t xxh_merge(uint64_t h, uint64_t v) { return (h ^ xxh_round(0, v)) * kP1 + kP4; }
+
+uint64_t xxh64(const uint8_t* p, size_t n, uint64_t seed) {
+  const uint8_t* end = p + n;
+  uint64_t h;
+  if (n >= 32) {
+    uint64_t v1 = seed + kP1 + kP2, v2 = seed + kP2, v3 = seed, v4 = seed - kP1;
+    for (; p + 32 <= end; p += 32) {
+      v1 = xxh_round(v1, read64(p));
+      v2 = xxh_round(v2, read64(p + 8));
+      v3 = xxh_round(v3, read64(p + 16));
+      v4 = xxh_round(v4, read64(p + 24));
+    }
+    h = rotl64(v1, 1) + rotl64(v2, 7) + rotl64(v3, 12) + rotl64(v4, 18);
+    h = xxh_merge(xxh_merge(xxh_merge(xxh_merge(h, v1), v2), v3), v4);
+  } else {
+    h = seed + kP5;
+  }
+  h += static_cast<uint64_t>(n);
+  for (; p + 8 <= end; p += 8) h = rotl64(h ^ xxh_round(0, read64(p)), 27) * kP1 + kP4;
+  if (p + 4 <= end) {
+    h = rotl64(h ^ (static_cast<uint64_t>(read32(p)) * kP1), 23) * kP2 + kP3;
+    p += 4;
+  }
+  for (; p < end; ++p) h = rotl64(h ^ (*p * kP5), 11) * kP1;
+  h ^= h >> 33;
+  h *= kP2;
+  h ^= h >> 29;
+  h *= kP3;
+  h ^= h >> 32;
+  return h;
+}
+
+using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+uint32_t plan_checksum(const Bytes& data, size_t start) {
+  if (start > data.shape(0)) throw std::invalid_argument("plan: checksum start beyond the data");
+  return static_cast<uint32_t>(xxh64(data.data() + start, data.shape(0) - start, 0));
+}
+
+// The range checks of plan_body on the body in place (no copy): the reader's arrays are views
+// of the buffer the ring copied the entry into.
+void check_plan_body(const Bytes& data, size_t offset, int64_t e, int64_t f, int64_t c, int64_t k_max) {
+  const int64_t ef = e * f, counts = e + 2 * ef, n = counts + ef + f + 4 * c;
+  const size_t size = data.shape(0);
+  if (e < 0 || f < 0 || c < 0 || offset > size || size - offset != static_cast<size_t>(4 * n))
+    throw std::invalid_argument("plan.body: expected " + std::to_string(4 * n) + " bytes");
+  const uint8_t* base = data.data() + offset;
+  if (reinterpret_cast<uintptr_t>(base) % alignof(int32_t) != 0)
+    throw std::invalid_argument("plan.body: expected a 4-byte aligned buffer");
+  const int32_t* v = reinterpret_cast<const int32_t*>(base);
+  if (or_all(v, counts) < 0) throw std::invalid_argument("plan: negative demand, assignment or tiles");
+  if (k_max < 0 || k_max >= kInt32Max || any_outside(v + counts, ef, static_cast<uint32_t>(k_max) + 1u))
+    throw std::invalid_argument("plan.slot: expected values in [-1, " + std::to_string(k_max) + ")");
+  const int64_t bound[4] = {e, f, f, k_max};
+  for (int64_t i = 0; i < 4 * c; ++i) {
+    const int32_t x = v[counts + ef + f + i];
+    if (x < 0 || x >= bound[i % 4]) throw std::invalid_argument("plan.copies: expert, worker or slot out of range");
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_scheduler_core, m) {
+  m.def("plan_checksum", &plan_checksum, "data"_a, "start"_a,
+        "uint32: the low 32 bits of XXH64 (seed 0) of data[start:] (uint8[n]): the plan checksum.");
+  m.def("check_plan_body", &check_plan_body, "data"_a, "offset"_a, "num_experts"_a, "num_workers"_a,
+        "num_copies"_a, "k_max"_a,
+        "The range checks of plan_body on data[offset:] (uint8[n], 4-byte aligned body) in place, "
+        "without a copy (plan_codec.decode_worker_plan). Raises ValueError.");
   m.def("plan_body", &plan_body, "data"_a, "offset"_a, "num_experts"_a, "num_workers"_a, "num_copies"_a,
         "k_max"_a,
         "int32[E + 3 E F + F + 4 C]: the body of an encoded plan, copied out of data[offset:] and "

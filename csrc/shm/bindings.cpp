@@ -160,8 +160,18 @@ nb::dict inspect(const std::string& name) {
   return d;
 }
 
-nb::tuple result_tuple(RingReader::Result&& r) {
-  nb::object payload = r.status == kFound ? nb::object(nb::bytes(r.payload.data(), r.payload.size())) : nb::none();
+// as_array: the payload as a writable numpy uint8 array that owns the buffer the ring copied the
+// entry into (no second copy); the plan decoder's arrays are views of it.
+nb::tuple result_tuple(RingReader::Result&& r, bool as_array = false) {
+  nb::object payload = nb::none();
+  if (r.status == kFound && as_array) {
+    auto* heap = new std::string(std::move(r.payload));
+    nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::string*>(p); });
+    payload = nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(
+        reinterpret_cast<uint8_t*>(heap->data()), {heap->size()}, owner));
+  } else if (r.status == kFound) {
+    payload = nb::bytes(r.payload.data(), r.payload.size());
+  }
   return nb::make_tuple(r.status, r.seq, r.step, r.layer, r.microbatch, payload, r.copied_ns);
 }
 
@@ -257,26 +267,26 @@ NB_MODULE(_shm, m) {
   nb::class_<RingReader>(m, "RingReader")
       .def(nb::init<const std::string&, uint32_t>(), "name"_a, "reader_id"_a)
       .def("read",
-           [](RingReader& self, int64_t want) {
+           [](RingReader& self, int64_t want, bool as_array) {
              RingReader::Result r;
              {
                nb::gil_scoped_release release;
                r = self.read(want);
              }
-             return result_tuple(std::move(r));
+             return result_tuple(std::move(r), as_array);
            },
-           "want_seq"_a)
+           "want_seq"_a, "as_array"_a = false)
       .def("wait_read",
-           [](RingReader& self, int64_t want, double timeout_s, double spin_s) {
+           [](RingReader& self, int64_t want, double timeout_s, double spin_s, bool as_array) {
              uint64_t timeout = seconds_to_ns(timeout_s, "timeout_s"), spin = seconds_to_ns(spin_s, "spin_s");
              RingReader::Result r;
              {
                nb::gil_scoped_release release;
                r = self.wait_read(want, timeout, spin);
              }
-             return result_tuple(std::move(r));
+             return result_tuple(std::move(r), as_array);
            },
-           "want_seq"_a, "timeout_s"_a, "spin_s"_a = 0.0)
+           "want_seq"_a, "timeout_s"_a, "spin_s"_a = 0.0, "as_array"_a = false)
       .def("note_rejected", &RingReader::note_rejected)
       .def("replaced", &RingReader::replaced)
       .def("detach", &RingReader::detach)

@@ -1,12 +1,10 @@
-import zlib
-
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from afore.config import ClusterShape
 from afore.plan import Target, check_plan, primary_only_plan
-from afore.scheduler.plan_codec import decode_plan, decode_worker_plan, encode_plan, max_encoded_length
+from afore.scheduler.plan_codec import checksum, decode_plan, decode_worker_plan, encode_plan, max_encoded_length
 
 DECODERS = pytest.mark.parametrize("decode", [decode_plan, decode_worker_plan], ids=["full", "worker"])
 
@@ -64,7 +62,7 @@ def test_valid_checksum_but_inconsistent_body_is_rejected():
     head_len = int.from_bytes(data[6:8], "little")
     body = 12 + head_len
     data[body:body + 4] = (999).to_bytes(4, "little")  # demand[0] no longer the row sum
-    data[8:12] = zlib.crc32(bytes(data[12:])).to_bytes(4, "little")
+    data[8:12] = checksum(data).to_bytes(4, "little")
     with pytest.raises(ValueError, match="demand"):
         decode_plan(bytes(data), SHAPE)
 
@@ -95,7 +93,7 @@ def _resealed(plan, offset_in_body: int, value: int) -> bytes:
     data = bytearray(encode_plan(plan))
     start = 12 + int.from_bytes(data[6:8], "little") + 4 * offset_in_body
     data[start:start + 4] = int(value).to_bytes(4, "little", signed=True)
-    data[8:12] = zlib.crc32(bytes(data[12:])).to_bytes(4, "little")
+    data[8:12] = checksum(data).to_bytes(4, "little")
     return bytes(data)
 
 
@@ -136,3 +134,27 @@ def test_worker_decode_computes_replicas_on_first_use(make_plan):
     assert got.replicas is got.replicas
     got.replicas = np.zeros_like(plan.replicas)  # still a Plan: fields can be set
     assert not got.replicas.any()
+
+
+def test_worker_decode_views_a_writable_ring_buffer_without_copying(make_plan):
+    # What PlanRing.read passes: the uint8 array the ring's copy went into. The plan's arrays
+    # are writable views of it, and a torn byte anywhere is still rejected.
+    plan = make_plan(SHAPE, np.random.default_rng(4), Target(3, 2, 1), 9)
+    buffer = np.frombuffer(encode_plan(plan), np.uint8).copy()
+    decoded = decode_worker_plan(buffer, SHAPE)
+    assert np.shares_memory(decoded.assignment, buffer) and np.shares_memory(decoded.slot, buffer)
+    assert decoded.assignment.flags.writeable
+    assert np.array_equal(decoded.assignment, plan.assignment) and np.array_equal(decoded.copies, plan.copies)
+    from_bytes = decode_worker_plan(bytes(buffer), SHAPE)
+    assert not np.shares_memory(from_bytes.assignment, buffer) and from_bytes.assignment.flags.writeable
+    buffer[-1] ^= 1
+    with pytest.raises(ValueError, match="checksum"):
+        decode_worker_plan(buffer, SHAPE)
+
+
+def test_checksum_is_xxh64_of_everything_after_the_prefix():
+    # XXH64 of the empty input (seed 0) is 0xEF46DB3751D8E999 (the reference implementation's
+    # published value); the field keeps its low 32 bits.
+    assert checksum(bytes(12)) == 0x51D8E999
+    assert checksum(bytes(12) + b"a") == 0xA98C6E5B  # XXH64("a") = 0xD24EC4F1A98C6E5B
+    assert checksum(bytes(12) + b"a") != checksum(bytes(12) + b"b")
