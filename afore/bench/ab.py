@@ -340,8 +340,7 @@ def _ep_summary(results: list[dict], config: dict) -> dict:
                      "targets_with_copies": int(sum(r["policies"][name]["targets_with_copies"] for r in results)),
                      "targets": int(sum(r["policies"][name]["targets"] for r in results)),
                      # over the targets that have copies, pooled over the workloads
-                     "zero_exposed_share": float(np.sum([r["policies"][name]["zero_exposed_share"] * r["policies"][name]["targets_with_copies"]
-                                                         for r in results]) / max(1, sum(r["policies"][name]["targets_with_copies"] for r in results))),
+                     "zero_exposed_share": _pooled_zero_share([r["policies"][name] for r in results]),
                      "claimed_exposed_ms_per_target": float(np.mean([r["policies"][name]["claimed_exposed_ms_per_target"] for r in results])),
                      "window_ms_p50": float(np.mean([r["policies"][name]["window_ms_p50"] for r in results])),
                      "missed_share": float(np.mean([r["policies"][name]["missed_share"] for r in results])),
@@ -363,6 +362,16 @@ def _ep_summary(results: list[dict], config: dict) -> dict:
         out["afore_vs_best_baseline"] = {"throughput_min": float(min(gains)), "throughput_max": float(max(gains)),
                                          "p95_itl_min": float(min(p95s)), "p95_itl_max": float(max(p95s))}
     return out
+
+
+def _pooled_zero_share(rows: list[dict]) -> float | None:
+    """Share of the targets with copies (pooled over workloads) whose exposed wait is zero; None without any."""
+    n = sum(r["targets_with_copies"] for r in rows)
+    return sum(r["zero_exposed_share"] * r["targets_with_copies"] for r in rows if r["targets_with_copies"]) / n if n else None
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 def _other(config: dict) -> str:
@@ -406,7 +415,7 @@ def render_markdown(data: dict) -> str:
         rows = [[n, _pct_change(v["throughput_vs_static"]), _pct_change(v["p95_itl_vs_static"]), _pct_change(v["mean_itl_vs_static"]),
                  _pct_change(v["other_mode_throughput_vs_static"]),
                  v["max_mean_tile_load"], v["copies_per_target"], f"{v['targets_with_copies']} / {v['targets']}",
-                 v["exposed_ms_per_target_with_copies"], f"{100 * v['zero_exposed_share']:.1f}%", v["claimed_exposed_ms_per_target"],
+                 v["exposed_ms_per_target_with_copies"], _share(v["zero_exposed_share"]), v["claimed_exposed_ms_per_target"],
                  v["window_ms_p50"], f"{100 * v['missed_share']:.1f}%"]
                 for n, v in s.items() if n in c["policies"]]
         lines.append(markdown_table(["policy", f"throughput ({c['mode']})", "p95 ITL", "mean ITL", f"throughput ({_other(c)})",
@@ -427,7 +436,7 @@ def render_markdown(data: dict) -> str:
             lines += ["", f"### EP {ep}, {r['workload']} ({r['layers']} MoE layers)", ""]
             rows = [[n, p["step_ms_mean"], p["step_ms_p50"], p["step_ms_p95"], p["throughput_tok_s"], p["max_mean_tile_load"],
                      p["max_mean_tile_load_p99"], p["copies_per_target"], p["exposed_ms_per_target"],
-                     f"{100 * p['zero_exposed_share']:.1f}% of {p['targets_with_copies']}", p["ffn_stage_ms_mean"], f"{100 * p['ffn_busy_share']:.0f}%"]
+                     f"{_share(p['zero_exposed_share'])} of {p['targets_with_copies']}", p["ffn_stage_ms_mean"], f"{100 * p['ffn_busy_share']:.0f}%"]
                     for n, p in r["policies"].items()]
             lines.append(markdown_table(["policy", "ITL mean (ms)", "ITL p50", "ITL p95", "tokens/s", "max/mean tiles",
                                          "max/mean p99", "copies / target", "exposed ms / target", "zero exposed",
@@ -470,7 +479,7 @@ def interpretation(data: dict) -> list[str]:
                        "median after the shift by: " + ", ".join(f"{n} {_pct_change(v)}" for n, v in jumps.items()) + ".")
         a = s["afore"]
         out.append(f"  - exposed copy wait (from the simulated timeline, over the targets with copies): afore "
-                   f"{a['exposed_ms_per_target_with_copies']:.3f} ms per such target, zero on {100 * a['zero_exposed_share']:.1f}% of "
+                   f"{a['exposed_ms_per_target_with_copies']:.3f} ms per such target, zero on {_share(a['zero_exposed_share'])} of "
                    f"its {a['targets_with_copies']} targets with copies (its plans claim {a['claimed_exposed_ms_per_target']:.4f} ms per "
                    f"target against the planning window W = {data['calibration']['cost_model']['window_ms']:.2f} ms; the simulated "
                    f"window, copy submission -> commit, has a median of {a['window_ms_p50']:.3f} ms).")

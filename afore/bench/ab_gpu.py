@@ -167,11 +167,14 @@ def drive_policy(conn, demand_client, counts: np.ndarray, hidden: int, top_k: in
     n = S * L * M
     stamps = np.zeros((n, 4), np.int64)  # demand sent, tokens sent, receive start, done
     layer_end = np.zeros(S * L, np.int64)
+    slept = np.zeros((S, L))  # the attention compute actually spent (ms): a sleep overshoots
     step_end = np.zeros(S, np.int64)
     seq = step0 * L * M
     for s in range(S):
         for layer in range(L):
+            t0 = time.perf_counter_ns()
             time.sleep(attention_ms / 1e3)
+            slept[s, layer] = (time.perf_counter_ns() - t0) / 1e6
             handles = []
             for b in range(M):
                 t = Target(step0 + s, layer, b)
@@ -188,7 +191,7 @@ def drive_policy(conn, demand_client, counts: np.ndarray, hidden: int, top_k: in
                 stamps[i, 3] = time.perf_counter_ns()
             layer_end[s * L + layer] = time.perf_counter_ns()
         step_end[s] = time.perf_counter_ns()
-    return {"stamps": stamps, "layer_end": layer_end, "step_end": step_end}
+    return {"stamps": stamps, "layer_end": layer_end, "step_end": step_end, "attention_ms": slept}
 
 
 def run_gpu(args) -> int:
@@ -227,7 +230,7 @@ def run_gpu(args) -> int:
     budget = args.copy_budget if args.copy_budget is not None else args.ffn_workers
     node = start_ffn_node(model, policies[0], args.ffn_workers, args.device, ports, token, log_path, budget, args.redundant_slots)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    results, conn, client = {}, None, None
+    results, conn, client, attention_by_policy = {}, None, None, {}
     try:
         wait_for_ffn("127.0.0.1", ports["store"], args.ffn_workers, 900.0)
         colocated = args.device == "cpu" or _gpus() < args.ffn_workers + 1
@@ -240,7 +243,7 @@ def run_gpu(args) -> int:
         admin = f"http://127.0.0.1:{ports['admin']}"
         from afore.bench.serve import set_policy
 
-        attention_ms = args.attention_ms if args.attention_ms is not None else 0.0
+        attention_ms = args.attention_ms if args.attention_ms is not None else default_attention_ms(args, counts)
         for index, policy in enumerate(policies):
             set_policy(admin, policy)  # restarts the scheduler: its demand receiver too, so connect anew
             client = DemandClient("127.0.0.1", ports["demand"], token)
@@ -251,13 +254,14 @@ def run_gpu(args) -> int:
             client.close()
             client = None
             results[policy] = summarise_driven(run, before, after, policy, counts.shape, warmup, attention_ms)
+            attention_by_policy[policy] = run["attention_ms"]
     finally:
         if client is not None:
             client.close()
         if conn is not None:
             conn.close()
         stop_ffn_node(node)
-    simulated, sim_note = simulate_side(args, counts, policies, args.ffn_workers, budget, attention_ms, warmup)
+    simulated, sim_note = simulate_side(args, counts, policies, args.ffn_workers, budget, attention_by_policy, warmup)
     for policy, sim in simulated.items():
         results[policy]["simulated"] = sim
         me = results[policy]["measured"]["step_ms_mean"]
@@ -280,12 +284,32 @@ def run_gpu(args) -> int:
     return 0
 
 
-def simulate_side(args, counts: np.ndarray, policies: list[str], num_ffn: int, budget: int, attention_ms: float,
+def default_attention_ms(args, counts: np.ndarray) -> float:
+    """The attention compute per layer call when ``--attention-ms`` is not given: an attention pool
+    sized to the FFN pool (M x the balanced FFN stage of one microbatch, ``balanced_attention_ms``,
+    from the migration report's entry for the shape); 0 when the report has no entry for it."""
+    from afore.bench.pipeline_sim import balanced_attention_ms, calibration_from_report
+    from afore.config import ClusterShape
+    from afore.scheduler.cost import default_report_path
+
+    S, L, M, E = counts.shape
+    top_k = GPU_MODELS[args.gpu_model][3]
+    try:
+        cal = calibration_from_report(args.calibration or default_report_path(), args.gpu_model)
+    except ValueError:
+        return 0.0
+    shape = ClusterShape(num_experts=E, num_workers=args.ffn_workers, num_layers=L, top_k=top_k)
+    return M * balanced_attention_ms(cal, shape, int(counts[0, 0, 0].sum()) // top_k)
+
+
+def simulate_side(args, counts: np.ndarray, policies: list[str], num_ffn: int, budget: int, attention_ms: dict,
                   warmup: int) -> tuple[dict, str]:
-    """The same targets through the stage model (serial, as the driver runs them), calibrated by
-    the migration report's entry for the expert shape; ({}, why) when it has none."""
+    """The same targets through the stage model (serial, as the driver runs them, with the attention
+    time the driver actually spent per layer call: ``attention_ms[policy]`` float[S, L]), calibrated
+    by the migration report's entry for the expert shape; ({}, why) when it has none."""
     from afore.bench import ab
-    from afore.bench.pipeline_sim import calibration_from_report, run_policy, stage_costs_from_reports, summarise_runtime
+    from afore.bench.pipeline_sim import (calibration_from_report, run_policy, simulate_runtime, stage_costs_from_reports,
+                                          summarise_runtime)
     from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape, SchedulerParams
     from afore.scheduler.cost import default_report_path
 
@@ -304,7 +328,9 @@ def simulate_side(args, counts: np.ndarray, policies: list[str], num_ffn: int, b
     tokens = int(counts[0, 0, 0].sum()) // shape.top_k
     for policy in policies:
         trace = run_policy(policy, shape, params, cal.cost, counts, ab.POLICY_OPTIONS.get(policy))
-        tl = ab.simulate_policy("serial", trace, cal, costs, attention_ms / M, S, L, M, policy)
+        tl = simulate_runtime("serial", attention_ms[policy], cal.ffn_compute_ms(trace.max_tile_load), L, M, costs,
+                              costs.schedule_for(policy), copies=trace.dest_copies, bytes_per_expert=cal.cost.bytes_per_expert,
+                              blocking=trace.blocking, primary_compute_ms=cal.ffn_compute_ms(trace.primary_max_tile_load))
         out[policy] = summarise_runtime(trace, tl, M * tokens, warmup, L, M)
     return out, (f"simulated: pipeline_sim.simulate_runtime (serial) with {Path(path).name} "
                  f"({cal.source.get('report_date_utc')}) for {args.gpu_model}, stage costs {costs.sources}")
@@ -362,7 +388,8 @@ def render_markdown(data: dict) -> str:
              f"{data['layout']}; {m['name']} expert shape (H = {m['hidden']}, I = {m['moe_intermediate']}, E = {m['experts']}, "
              f"top-{m['top_k']}), {m['layers']} MoE layers, {m['dtype']}, random weights; workload {data['workload']['shape']} "
              f"[steps, layers, microbatches, experts], {data['workload']['tokens_per_microbatch']} tokens per microbatch; "
-             f"attention compute: a stated constant {data['attention_ms']} ms per layer call (a sleep in the driver). "
+             f"attention compute: a stated constant {data['attention_ms']:.4f} ms per layer call (a sleep in the driver; "
+             "--attention-ms, default M x the balanced FFN stage of the migration report). "
              f"Date {data['date_utc']}. All figures below are measured.", "",
              "| policy | steps | step ms mean | p50 | p95 | F2A wait ms | FFN stage ms | plans used / missed | copies | "
              "exposed ms (planned targets) | max/mean tile load |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -703,7 +703,7 @@ def summarise_runtime(trace: PolicyTrace, tl: RuntimeTimeline, tokens_per_step: 
         "copy_ms_per_target_with_copies": float(tl.copy_ms[first:][with_copies].mean()) if with_copies.any() else 0.0,
         "exposed_ms_per_target": float(exposed.mean()),
         "exposed_ms_per_target_with_copies": float(exposed[with_copies].mean()) if with_copies.any() else 0.0,
-        "zero_exposed_share": float(np.mean(exposed[with_copies] <= 0.0)) if with_copies.any() else 1.0,
+        "zero_exposed_share": float(np.mean(exposed[with_copies] <= 0.0)) if with_copies.any() else None,
         "claimed_exposed_ms_per_target": float(trace.exposed_ms[first:].mean()),
         "window_ms_p50": float(np.nanmedian(window[with_copies])) if with_copies.any() and np.isfinite(window[with_copies]).any() else 0.0,
         "plan_wait_ms_per_target": float(tl.plan_wait[first:].mean()), "missed_share": float(tl.missed[first:].mean()),

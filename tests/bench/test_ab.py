@@ -28,7 +28,12 @@ def test_bench_ab_tiny(tmp_path):
             for name, p in r["policies"].items():
                 assert p["steps"] == 3 and len(r["step_ms"][name]) == 4
                 assert p["step_ms_p95"] >= p["step_ms_p50"] > 0 and p["throughput_tok_s"] > 0
-                assert 0.0 <= p["zero_exposed_share"] <= 1.0
+                # judged over the targets that ran with copies; none: no share at all
+                if p["targets_with_copies"]:
+                    assert 0.0 <= p["zero_exposed_share"] <= 1.0
+                else:
+                    assert p["zero_exposed_share"] is None
+                assert p["exposed_ms_per_target_with_copies"] >= p["exposed_ms_per_target"] >= 0.0
             assert r["policies"]["static"]["copies_per_target"] == 0
             assert r["policies"]["afore"]["max_mean_tile_load"] <= r["policies"]["static"]["max_mean_tile_load"]
         assert ep["summary"]["static"]["throughput_vs_static"] == 0.0
@@ -69,3 +74,27 @@ def test_bench_ab_trace_shorter_than_steps(tmp_path, capsys):
     assert main(argv + ["--steps", "2"]) == 0
     doc = json.loads((tmp_path / "out" / "ab.json").read_text())
     assert "harmoeny-tiny" in [w["name"] for w in doc["workloads"]] and doc["config"]["chains"] is False
+
+
+def test_bench_ab_modes_and_honest_exposure(tmp_path):
+    argv = ["bench", "ab", "--eps", "8", "--steps", "4", "--warmup", "1", "--layers", "2", "--tokens", "64", "--no-real",
+            "--policies", "afore,harmoeny", "--out-dir", str(tmp_path)]
+    docs = {}
+    for mode in ("serial", "pingpong"):
+        assert main(argv + ["--mode", mode, "--name", mode]) == 0
+        docs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+        assert docs[mode]["config"]["mode"] == mode
+        assert f"{mode} mode" in (tmp_path / f"{mode}.md").read_text()
+    for mode, other in (("serial", "pingpong"), ("pingpong", "serial")):
+        for r in docs[mode]["per_ep"][0]["workloads"]:
+            for name, p in r["policies"].items():
+                # each report carries the other mode's throughput of the same plans, which the other report measured
+                twin = next(w for w in docs[other]["per_ep"][0]["workloads"] if w["workload"] == r["workload"])
+                assert p[f"throughput_tok_s_{other}"] == pytest.approx(twin["policies"][name]["throughput_tok_s"])
+            # HarMoEny's copies block its targets: exposed on every target that has copies, whatever its own claim
+            h = r["policies"]["harmoeny"]
+            if h["targets_with_copies"]:
+                assert h["zero_exposed_share"] == 0.0 and h["exposed_ms_per_target_with_copies"] > 0
+    cal = docs["serial"]["calibration"]
+    assert cal["source"]["report_date_utc"] and cal["stages"]["8"]["costs"]["plan_decode_ms"] > 0
+    assert "transport_h200.json" in cal["stages"]["8"]["sources"]["plan_decode_ms"]
