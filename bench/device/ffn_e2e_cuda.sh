@@ -21,6 +21,6 @@ if [ ! -f afore/_shm*.so ]; then
 fi
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/ffn_e2e_cuda.log"
-timeout "${GPU_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider -q -rA -m gpu \
+timeout "${GPU_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider -x -v -rA -m gpu -o faulthandler_timeout=60 \
   tests/transport/test_ffn_end_to_end.py tests/ffn/test_step_gpu.py 2>&1 | tee -a "$OUT/ffn_e2e_cuda.log"
 echo "pytest exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/ffn_e2e_cuda.log"
