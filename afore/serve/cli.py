@@ -8,7 +8,7 @@ import sys
 
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.scheduler.policies import POLICY_NAMES
-from afore.serve.launcher import PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, serve
+from afore.serve.launcher import PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, default_microbatches, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admin endpoint port (/afore/status, /afore/policy, OpenAPI at /docs); default 0 = --port + 1, -1 = off")
     # removed: afore's families are on /metrics of the API port (role ffn: the admin port); docs/metrics.md
     parser.add_argument("--metrics-port", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--microbatches", type=int, default=2, help="targets per MoE call (>= 2 keeps two in flight at the FFN side)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="targets per MoE call; 2 keeps two in flight at the FFN side (its next plan read and "
+                             "copies started while one computes), 1 halves the per-target cost of small decode steps "
+                             "(default: 1 on cpu, 2 on cuda)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
                         help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "
@@ -87,7 +90,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     store_port = args.store_port if args.store_port is not None else (0 if args.role == "all" else SPLIT_STORE_PORT)
     return ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                         policy=args.policy, device=args.device, host=args.host, port=args.port,
-                        admin_port=args.admin_port, microbatches=args.microbatches,
+                        admin_port=args.admin_port, microbatches=default_microbatches(args.device) if args.microbatches is None else args.microbatches,
                         redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
                         colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,

@@ -68,6 +68,15 @@ TRANSPORTS = ("auto", "shm", "torch-nccl", "torch-gloo")
 PRIMARY_LAYOUTS = ("contiguous", "affinity")
 
 
+def default_microbatches(device: str) -> int:
+    """Targets per MoE call when ``--microbatches`` is not given. On CPU the per-target cost (a
+    wake-up of every FFN worker, a plan, a vote) dominates small decode steps and there is no
+    ping-pong to hide it, so one target per call (measured on the 2-core machine: median ITL
+    25.7 ms with 1, 38.4 ms with 2, bench/results/dataplane_transport_cpu.md); on a GPU two, so
+    that the next target's plan is read and its copies start while one computes."""
+    return 2 if device == "cuda" else 1
+
+
 class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: str = ""                 # "" = the built-in tiny Qwen3-MoE checkpoint
     attn_workers: int = 1
@@ -77,7 +86,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     admin_port: int = 0             # 0 = port + 1; -1 = off
-    microbatches: int = 2
+    microbatches: int = 1           # default_microbatches(device) from the command line
     redundant_slots: int = 2
     copy_budget: int = 8
     role: str = "all"               # all: one node; ffn / attention: the two halves on two nodes

@@ -27,3 +27,43 @@ def test_report_is_written_with_both_transports(tmp_path):
     assert all(shm[n]["a2f_bytes_sent"] * 2 == gloo[n]["a2f_bytes_sent"] for n in shm)  # F=2: dense sends twice
     assert (tmp_path / "dataplane_transport_cpu.md").read_text().startswith("# Data plane")
     assert (tmp_path / "dataplane_transport_cpu.png").stat().st_size > 0
+
+
+def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
+    """Synthetic traces of one attention worker, the scheduler and two FFN workers: every stage
+    is the difference of the right stamps of the same target, F2A starts at the last reply."""
+    from afore.attention.stages import COLUMNS as ATT
+    from afore.bench.dataplane.transport import stage_breakdown
+    from afore.ffn.stages import COLUMNS as FFN
+    from afore.metrics.trace import CsvTrace
+    from afore.scheduler.service import SCHEDULER_TRACE_COLUMNS as SCHED
+
+    base = str(tmp_path / "st")
+    att, sch = CsvTrace(base + ".0.csv", ATT), CsvTrace(base + ".scheduler.csv", SCHED)
+    ffn = [CsvTrace(f"{base}.ffn{r}.csv", FFN) for r in range(2)]
+    layers = 3
+    for step in range(2):
+        for layer in range(layers):
+            seq = step * layers + layer
+            t = 1_000_000 * (seq + 1)
+            # prev_exit, enter (+100 us attention), demand (+10), sent (+20), recv_start (+21), done
+            att.add((step, layer, 0, 4, t, t + 100_000, t + 110_000, t + 130_000, t + 131_000, t + 900_000, 0, 0))
+            sch.add((seq, t + 105_000, t + 105_000, t + 125_000, t + 126_000, t + 176_000, t + 186_000))
+            for r, late in enumerate((0, 40_000)):  # worker 1 wakes 40 us later
+                start = t + 150_000 + late
+                ffn[r].add((seq, step, layer, 0, 4, 2, start, start, start + 60_000, start + 70_000, start + 270_000,
+                            start + 300_000, 1))
+    att.add((5, 0, 0, 64, 1, 2, 3, 4, 5, 6, 0, 0))  # a prefill target: not a decode one
+    for trace in (att, sch, *ffn):
+        trace.flush()
+    b = stage_breakdown(tmp_path / "st", num_layers=layers, microbatches=1)
+    st = {k: v["median_us"] for k, v in b["stages"].items()}
+    assert b["targets"] == 6 and b["ffn_workers"] == 2
+    assert st["attention compute before the layer"] == 100
+    assert st["demand emit (count + mailbox put)"] == 10 and st["A2F post (rows into shm, wake)"] == 20
+    assert st["scheduler: report -> taken up"] == 20 and st["scheduler: plan (policy)"] == 50
+    assert st["scheduler: encode + publish"] == 10
+    assert b["stages"]["FFN: A2F posted -> worker takes it up"]["mean_us"] == 40  # (20 + 60) / 2
+    assert st["FFN: vote (every worker)"] == 10 and st["FFN: expert compute"] == 200
+    assert st["F2A: last reply -> attention has the sum"] == 900 - 150 - 40 - 300
+    assert st["attention: wait for F2A (total)"] == 769

@@ -13,7 +13,8 @@ Three measurements, all of the real code:
 3. **serve** (``--serve``): decode ITL of ``afore serve`` with the shm transport, with
    ``--transport torch-gloo`` (the previous data plane) and plain vLLM on the same checkpoint,
    measured with vLLM's own serving client (``vllm.benchmarks.serve``), one server at a time,
-   plus the per-layer breakdown of the shm run from its stage trace (AFORE_STAGE_TRACE).
+   plus where a decode target's time goes in the shm run, from the stage traces of every process
+   (AFORE_STAGE_TRACE: attention worker, scheduler, FFN workers, joined by seq).
 """
 
 from __future__ import annotations
@@ -206,11 +207,14 @@ def measure_serve(args, log_dir: Path) -> dict:
     out = {}
     common = ["--model", model, "--dtype", "float32", "--max-model-len", "512"]
     servers = [
+        # afore serve's CPU default: shm, one target per MoE call; every process traces its stages
         ("afore-shm", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--verbose", *common],
          {"AFORE_STAGE_TRACE": str(trace)}),
-        ("afore-shm-m1", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--microbatches", "1",
+        ("afore-shm-m2", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--microbatches", "2",
                           "--verbose", *common], None),
-        ("afore-torch-gloo", [sys.executable, "-m", "afore.cli", "serve", "--transport", "torch-gloo", "--verbose", *common], None),
+        # the data plane before issue 10: dense torch.distributed over gloo, two microbatches
+        ("afore-torch-gloo", [sys.executable, "-m", "afore.cli", "serve", "--transport", "torch-gloo", "--microbatches", "2",
+                              "--verbose", *common], None),
         # the same 1 GiB KV cache that afore serve gives vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)
         ("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--seed", "0"],
          {"VLLM_CPU_KVCACHE_SPACE": "1"}),
@@ -220,32 +224,66 @@ def measure_serve(args, log_dir: Path) -> dict:
         cmd = [*cmd, "--port", str(port)]
         out[name] = _serve_one(name, cmd, f"http://127.0.0.1:{port}", model, args.serve_requests,
                                args.serve_concurrency, args.serve_rounds, log_dir, env)
-    out["breakdown"] = stage_breakdown(trace)
+    from afore.models.checkpoint import read_model_spec
+
+    out["breakdown"] = stage_breakdown(trace, num_layers=len(read_model_spec(model).moe_layer_indices), microbatches=1)
     return out
 
 
-def stage_breakdown(trace: Path) -> dict:
-    """Mean per-layer times (us) from the attention side's stage trace (afore.attention.stages)."""
-    from afore.attention.stages import COLUMNS
+#: the critical path of one decode target, in order, from the three traces joined by seq:
+#: (name, start column, end column) with the table each column comes from ("a" attention worker 0,
+#: "s" scheduler, "f" every FFN worker)
+STAGES = (
+    ("attention compute before the layer", ("a", "prev_exit_ns"), ("a", "enter_ns")),
+    ("demand emit (count + mailbox put)", ("a", "enter_ns"), ("a", "demand_ns")),
+    ("A2F post (rows into shm, wake)", ("a", "demand_ns"), ("a", "sent_ns")),
+    ("scheduler: report -> taken up", ("s", "written_ns"), ("s", "got_ns")),
+    ("scheduler: plan (policy)", ("s", "plan_start_ns"), ("s", "planned_ns")),
+    ("scheduler: encode + publish", ("s", "planned_ns"), ("s", "published_ns")),
+    ("FFN: A2F posted -> worker takes it up", ("a", "sent_ns"), ("f", "start_ns")),
+    ("FFN: taken up -> plan read and checked", ("f", "start_ns"), ("f", "plan_ns")),
+    ("FFN: vote (every worker)", ("f", "plan_ns"), ("f", "agreed_ns")),
+    ("FFN: expert compute", ("f", "agreed_ns"), ("f", "computed_ns")),
+    ("FFN: reply (metrics, rows into shm, wake)", ("f", "computed_ns"), ("f", "sent_ns")),
+    ("F2A: last reply -> attention has the sum", ("f", "sent_ns"), ("a", "done_ns")),
+    ("attention: wait for F2A (total)", ("a", "recv_start_ns"), ("a", "done_ns")),
+)
 
-    files = sorted(trace.parent.glob(trace.name + ".*.csv"))
-    if not files:
+
+def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max_tokens: int = 8) -> dict:
+    """Median and mean (us) of every stage in ``STAGES`` over the decode targets (at most
+    ``max_tokens`` tokens) of one run traced with AFORE_STAGE_TRACE=``trace``: the attention
+    worker 0 trace, the scheduler's and every FFN worker's (afore.metrics.trace), joined by seq.
+    FFN stages are taken per worker; the last reply (the worker that finished last) ends F2A."""
+    from afore.metrics.trace import read_trace
+
+    att_file = trace.parent / f"{trace.name}.0.csv"
+    if not att_file.exists():
         return {}
-    data = np.concatenate([np.loadtxt(f, delimiter=",", skiprows=1, ndmin=2, dtype=np.int64) for f in files])
-    col = {c: i for i, c in enumerate(COLUMNS)}
-    decode = data[(data[:, col["tokens"]] > 0) & (data[:, col["tokens"]] <= 8)]
-    out = {}
-    for layer in sorted(set(decode[:, col["layer"]].tolist())):
-        d = decode[decode[:, col["layer"]] == layer]
-        first = d[d[:, col["microbatch"]] == 0]
-        out[int(layer)] = {
-            "targets": int(len(d)),
-            "attention_us": float(np.mean(first[:, col["enter_ns"]] - first[:, col["prev_exit_ns"]]) / 1e3) if layer else None,
-            "demand_us": float(np.mean(d[:, col["demand_ns"]] - d[:, col["enter_ns"]]) / 1e3),
-            "a2f_us": float(np.mean(d[:, col["sent_ns"]] - d[:, col["demand_ns"]]) / 1e3),
-            "wait_f2a_us": float(np.mean(d[:, col["done_ns"]] - d[:, col["recv_start_ns"]]) / 1e3),
-            "a2f_bytes": float(np.mean(d[:, col["a2f_bytes"]])), "f2a_bytes": float(np.mean(d[:, col["f2a_bytes"]])),
-        }
+    att = [r for r in read_trace(att_file) if 0 < r["tokens"] <= max_tokens and r["prev_exit_ns"]]
+    sched_file = trace.parent / f"{trace.name}.scheduler.csv"
+    sched = {r["seq"]: r for r in read_trace(sched_file)} if sched_file.exists() else {}
+    ffn = [{r["seq"]: r for r in read_trace(f)} for f in sorted(trace.parent.glob(f"{trace.name}.ffn*.csv"))]
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for a in att:
+        seq = (a["step"] * num_layers + a["layer"]) * microbatches + a["microbatch"]
+        rows = {"a": [a], "s": [sched[seq]] if seq in sched else [], "f": [w[seq] for w in ffn if seq in w]}
+        for name, (t0, c0), (t1, c1) in STAGES:
+            if name.startswith("F2A"):  # from the last reply
+                if rows["f"]:
+                    samples[name].append(a["done_ns"] - max(r["sent_ns"] for r in rows["f"]))
+                continue
+            if t0 == "f" or t1 == "f":
+                for r in rows["f"]:
+                    start = r[c0] if t0 == "f" else rows[t0][0][c0]
+                    samples[name].append((r[c1] if t1 == "f" else rows[t1][0][c1]) - start)
+            elif rows[t0] and rows[t1]:
+                samples[name].append(rows[t1][0][c1] - rows[t0][0][c0])
+    out = {"targets": len(att), "ffn_workers": len(ffn), "stages": {}}
+    for name, values in samples.items():
+        if values:
+            v = np.asarray(values, dtype=np.float64) / 1e3
+            out["stages"][name] = {"median_us": float(np.median(v)), "mean_us": float(v.mean()), "n": int(v.size)}
     return out
 
 
@@ -307,7 +345,7 @@ def markdown(r: dict) -> str:
         lines += ["## Decode through the HTTP API (tiny Qwen3-MoE, float32, A=1, F=2; vLLM's serving client: "
                   "random 64-token prompts, 32 output tokens, 24 requests, concurrency 4)", "",
                   "| server | round | median ITL ms | p99 ITL ms | median TPOT ms | output tok/s |", "|---|---|---|---|---|---|"]
-        for name in ("afore-shm", "afore-shm-m1", "afore-torch-gloo", "vllm"):
+        for name in ("afore-shm", "afore-shm-m2", "afore-torch-gloo", "vllm"):
             for i, rr in enumerate(s[name]["rounds"]):
                 lines.append(f"| {name} | {i} | {rr['itl_ms']['p50']:.2f} | {rr['itl_ms']['p99']:.2f} | "
                              f"{rr['tpot_ms']['p50']:.2f} | {rr['output_throughput']:.0f} |")
@@ -315,21 +353,23 @@ def markdown(r: dict) -> str:
         a = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm"]["rounds"])
         v99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["vllm"]["rounds"])
         a99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["afore-shm"]["rounds"])
-        m1 = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm-m1"]["rounds"])
-        m1_99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["afore-shm-m1"]["rounds"])
+        m2 = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm-m2"]["rounds"])
+        m2_99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["afore-shm-m2"]["rounds"])
         g = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-torch-gloo"]["rounds"])
-        lines += ["", f"Median ITL against plain vLLM (median of the rounds): afore shm, 2 microbatches **{a / v:.2f}x**, "
-                  f"p99 **{a99 / v99:.2f}x**; afore shm, 1 microbatch **{m1 / v:.2f}x**, p99 **{m1_99 / v99:.2f}x**; "
-                  f"the previous data plane (torch-gloo, dense) {g / v:.2f}x. Targets: median <= 2x, p99 <= 3x.", ""]
-        if s.get("breakdown"):
-            lines += ["### Per-layer breakdown of the afore-shm run (attention side, decode targets, mean us)", "",
-                      "| MoE layer | targets | attention before it | demand emit | A2F post | wait for F2A | A2F bytes | F2A bytes |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for layer, b in s["breakdown"].items():
-                att = "-" if b["attention_us"] is None else f"{b['attention_us']:.0f}"
-                lines.append(f"| {layer} | {b['targets']} | {att} | {b['demand_us']:.0f} | {b['a2f_us']:.0f} | "
-                             f"{b['wait_f2a_us']:.0f} | {b['a2f_bytes']:.0f} | {b['f2a_bytes']:.0f} |")
-            lines.append("")
+        lines += ["", f"Median ITL against plain vLLM (median of the rounds): afore shm (the CPU default, 1 microbatch) "
+                  f"**{a / v:.2f}x**, p99 **{a99 / v99:.2f}x**; afore shm with 2 microbatches {m2 / v:.2f}x, p99 "
+                  f"{m2_99 / v99:.2f}x; the data plane before (torch-gloo, dense, 2 microbatches) {g / v:.2f}x. "
+                  f"Targets: median <= 2x, p99 <= 3x.", ""]
+        b = s.get("breakdown") or {}
+        if b.get("stages"):
+            lines += [f"### Where a decode target's time goes (afore-shm run, {b['targets']} decode targets of attention "
+                      f"worker 0, {b['ffn_workers']} FFN workers; AFORE_STAGE_TRACE of every process, one clock)", "",
+                      "| stage | median us | mean us | samples |", "|---|---|---|---|"]
+            for name, st in b["stages"].items():
+                lines.append(f"| {name} | {st['median_us']:.0f} | {st['mean_us']:.0f} | {st['n']} |")
+            lines += ["", "FFN stages are per worker (both workers' samples); the scheduler's run beside the A2F post "
+                      "and the FFN workers' wake-up. A mean far above its median is preemption: more runnable "
+                      "processes than cores.", ""]
     return "\n".join(lines)
 
 
