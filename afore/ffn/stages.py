@@ -3,16 +3,17 @@
 Columns (times: ``time.perf_counter_ns()``, comparable with the attention trace's):
     seq, step, layer, microbatch, tokens (all senders), mine (tokens this worker computed),
     arrived_ns (the transport had the target), start_ns (the worker took it up), plan_ns (its plan
-    read and checked), agreed_ns (every worker voted), computed_ns (expert compute done),
-    sent_ns (reply published), used (1: the scheduler's plan ran, 0: primary-only)
+    read and checked), computed_ns (expert compute done), agreed_ns (every worker voted, after
+    the compute; a rare second compute when the vote failed comes before it), sent_ns (reply
+    published), used (1: the scheduler's plan ran, 0: primary-only)
 """
 
 from __future__ import annotations
 
 from afore.metrics.trace import CsvTrace
 
-COLUMNS = ("seq", "step", "layer", "microbatch", "tokens", "mine", "arrived_ns", "start_ns", "plan_ns", "agreed_ns",
-           "computed_ns", "sent_ns", "used")
+COLUMNS = ("seq", "step", "layer", "microbatch", "tokens", "mine", "arrived_ns", "start_ns", "plan_ns", "computed_ns",
+           "agreed_ns", "sent_ns", "used")
 
 
 def ffn_trace(rank: int, path: str | None = None) -> CsvTrace:

@@ -194,7 +194,7 @@ class FFNWorker:
             self.metrics.serve(cfg.metrics_port + cfg.rank)
         self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
         self.trace = ffn_trace(cfg.rank)
-        self._plan_ns = 0
+        self._routed: np.ndarray | None = None  # routed counts of the target being run
         self.stop_event = threading.Event()
 
     def _connect(self):
@@ -225,9 +225,10 @@ class FFNWorker:
             return None
         return self.plan_source.get(mb.target, mb.seq, timeout_s)
 
-    def _plan_for(self, mb: Microbatch) -> Plan:
-        """The plan every worker applies to ``mb``: the scheduler's if all workers have a valid
-        one, else the primary-only plan (counted)."""
+    def _candidate(self, mb: Microbatch) -> Plan | None:
+        """This worker's view of ``mb``'s plan before the vote: the scheduler's plan if it came in
+        time, passed its checks (prepared: its copies submitted; demand equal to the routed
+        counts; committable), else None (counted why)."""
         plan = self._early.pop(mb.seq, None)
         if plan is None:
             plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3)
@@ -237,7 +238,7 @@ class FFNWorker:
                 self.metrics.count_plan("rejected")
                 log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
                 plan = None
-        routed = self._routed_counts(mb)
+        self._routed = routed = self._routed_counts(mb)
         if plan is not None and routed is not None and not np.array_equal(plan.demand, routed):
             # the plan was made for other demand (wrong or stale report): correct either way, but
             # its balance is not what it claims, so it is not used (and not counted as used)
@@ -252,15 +253,22 @@ class FFNWorker:
                 log.warning("worker %d: plan %d cannot commit: %s", self.cfg.rank, mb.seq, reason)
                 self.migrator.forget(plan)
                 plan = None
-        self._plan_ns = time.perf_counter_ns()
-        ok = self.connector.agree(plan is not None)
-        if ok:
-            return plan
-        if plan is not None:
-            self.migrator.forget(plan)
+        return plan
+
+    def _settle(self, mb: Microbatch, candidate: Plan | None, agreed: bool) -> Plan:
+        """The plan of ``mb`` once the vote is in (``step``): ``candidate`` if every worker had one, else
+        the primary-only plan (a worker that had one forgets it and reports its slot tables)."""
+        if agreed:
+            return candidate
+        if candidate is not None:
+            self.migrator.forget(candidate)
         if self.slot_reporter is not None and self.plan_source is not None:
             # the scheduler projected this plan's copies onto every worker: tell it what this one holds
             self.slot_reporter.report(mb.seq, {layer: rows.astype(np.int32) for layer, rows in self.migrator.projected.items()})
+        return self._primary_only(mb)
+
+    def _primary_only(self, mb: Microbatch) -> Plan:
+        routed = self._routed
         demand = routed if routed is not None else count_demand(mb.topk_ids, self.shape.num_experts).cpu().numpy()
         return primary_only_plan(self.shape, demand, mb.target, mb.seq)
 
@@ -303,13 +311,39 @@ class FFNWorker:
 
     def step(self, mb: Microbatch) -> ReplyRows:
         """Run one target on this worker and reply; returns the reply (this worker's partial sums
-        of the tokens it computed a pair of)."""
+        of the tokens it computed a pair of).
+
+        The vote on the plan comes after the compute, so that waiting for the other workers
+        overlaps this one's compute: the compute runs with this worker's candidate (the
+        scheduler's plan, or primary-only when it has none, in which case the vote cannot pass);
+        in the rare case that another worker voted no, it runs again primary-only. Either way
+        every worker replies with the plan they all agreed on (DESIGN.md invariant 3)."""
         t0 = time.perf_counter_ns()
         self.shape.check_layer(mb.target.layer)
         layer = self.layers[mb.target.layer]
-        plan = self._plan_for(mb)
-        agreed = time.perf_counter_ns()
+        candidate = self._candidate(mb)
+        planned = time.perf_counter_ns()
         self._read_ahead()
+        plan = candidate if candidate is not None else self._primary_only(mb)
+        reply = self._compute(layer, mb, plan)
+        computed = time.perf_counter_ns()
+        agreed_plan = self._settle(mb, candidate, self.connector.agree(candidate is not None))
+        if agreed_plan is not plan:  # another worker had no valid plan: primary-only everywhere
+            plan = agreed_plan
+            reply = self._compute(layer, mb, plan)
+        agreed = time.perf_counter_ns()
+        # counted before the reply leaves: a client that has every reply sees every target counted
+        self.metrics.observe_target(plan, stage_s=(agreed - t0) / 1e9, queued=self.connector.queued)
+        self.connector.send(mb, reply)
+        if self.trace.enabled:
+            t = mb.target
+            self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
+                            int(mb.arrived * 1e9), t0, planned, computed, agreed, time.perf_counter_ns(),
+                            int(not plan.primary_only)))
+        return reply
+
+    def _compute(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> ReplyRows:
+        """This worker's share of ``mb`` under ``plan`` (its copies waited for, its slots fenced after)."""
         if not plan.primary_only:
             self.migrator.commit(plan)
         if mb.hidden is not None:  # the transport delivered every row (torch): reply densely
@@ -327,15 +361,6 @@ class FFNWorker:
             self.metrics.observe(record)
             if self.window_reporter is not None:
                 self.window_reporter.report(record.window_ms)
-        computed = time.perf_counter_ns()
-        # counted before the reply leaves: a client that has every reply sees every target counted
-        self.metrics.observe_target(plan, stage_s=(computed - t0) / 1e9, queued=self.connector.queued)
-        self.connector.send(mb, reply)
-        if self.trace.enabled:
-            t = mb.target
-            self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
-                            int(mb.arrived * 1e9), t0, self._plan_ns, agreed, computed, time.perf_counter_ns(),
-                            int(not plan.primary_only)))
         return reply
 
     def _my_tokens(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> torch.Tensor:

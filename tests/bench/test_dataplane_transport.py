@@ -51,7 +51,8 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
             sch.add((seq, t + 105_000, t + 105_000, t + 125_000, t + 126_000, t + 176_000, t + 186_000))
             for r, late in enumerate((0, 40_000)):  # worker 1 wakes 40 us later
                 start = t + 150_000 + late
-                ffn[r].add((seq, step, layer, 0, 4, 2, start, start, start + 60_000, start + 70_000, start + 270_000,
+                # plan read +60 us, compute +200, vote +10, reply +30
+                ffn[r].add((seq, step, layer, 0, 4, 2, start, start, start + 60_000, start + 260_000, start + 270_000,
                             start + 300_000, 1))
     att.add((5, 0, 0, 64, 1, 2, 3, 4, 5, 6, 0, 0))  # a prefill target: not a decode one
     for trace in (att, sch, *ffn):
@@ -64,6 +65,6 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
     assert st["scheduler: report -> taken up"] == 20 and st["scheduler: plan (policy)"] == 50
     assert st["scheduler: encode + publish"] == 10
     assert b["stages"]["FFN: A2F posted -> worker takes it up"]["mean_us"] == 40  # (20 + 60) / 2
-    assert st["FFN: vote (every worker)"] == 10 and st["FFN: expert compute"] == 200
+    assert st["FFN: vote (every worker, after the compute)"] == 10 and st["FFN: expert compute"] == 200
     assert st["F2A: last reply -> attention has the sum"] == 900 - 150 - 40 - 300
     assert st["attention: wait for F2A (total)"] == 769

@@ -242,9 +242,9 @@ STAGES = (
     ("scheduler: encode + publish", ("s", "planned_ns"), ("s", "published_ns")),
     ("FFN: A2F posted -> worker takes it up", ("a", "sent_ns"), ("f", "start_ns")),
     ("FFN: taken up -> plan read and checked", ("f", "start_ns"), ("f", "plan_ns")),
-    ("FFN: vote (every worker)", ("f", "plan_ns"), ("f", "agreed_ns")),
-    ("FFN: expert compute", ("f", "agreed_ns"), ("f", "computed_ns")),
-    ("FFN: reply (metrics, rows into shm, wake)", ("f", "computed_ns"), ("f", "sent_ns")),
+    ("FFN: expert compute", ("f", "plan_ns"), ("f", "computed_ns")),
+    ("FFN: vote (every worker, after the compute)", ("f", "computed_ns"), ("f", "agreed_ns")),
+    ("FFN: reply (metrics, rows into shm, wake)", ("f", "agreed_ns"), ("f", "sent_ns")),
     ("F2A: last reply -> attention has the sum", ("f", "sent_ns"), ("a", "done_ns")),
     ("attention: wait for F2A (total)", ("a", "recv_start_ns"), ("a", "done_ns")),
 )
