@@ -27,7 +27,7 @@ import struct
 import msgspec
 import numpy as np
 
-from afore._scheduler_core import check_plan_body, plan_checksum
+from afore._scheduler_core import decode_plan_entry, plan_checksum
 from afore.config import ClusterShape
 from afore.plan import Plan, Target
 
@@ -162,43 +162,33 @@ def decode_worker_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
     """The Plan encoded in ``data``, with the checks an FFN worker needs before it uses it.
 
     The reader's critical path (every worker, every target). Checked: magic, version, lengths,
-    crc32 (a torn or corrupted entry is rejected), the shape (E, F must match), the target, and
+    the checksum (a torn or corrupted entry is rejected), the shape (E, F must match), the target, and
     every value that indexes something: counts >= 0, slots in [-1, K_max), copies' experts,
     workers and slots in range. Not checked here: that the plan is consistent (rows sum to
     demand, tile loads), which the migrator checks against its own state before it applies a
     plan (``Migrator.validate``), and ``decode_plan`` for everyone else.
 
-    Arrays are writable int32 views (``demand`` is an int64 copy, ``replicas`` and ``tiles``'s
-    users compute nothing extra): of ``data`` itself when it is a writable uint8 array (what
+    Arrays are writable int32 views (``demand`` is an int64 copy, ``replicas`` is computed on
+    first use): of ``data`` itself when it is a writable uint8 array (what
     ``PlanRing.read`` passes: the buffer the ring's copy went into, so decoding copies nothing),
     else of one copy of it (``bytes`` are read-only, and torch.from_numpy of a read-only array,
     which the FFN side does with ``assignment``, warns and aliases it writable).
     """
     if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 and data.flags.writeable):
         data = np.frombuffer(data, np.uint8).copy()
-    header, offset = decode_header(data)
-    e, f, c = header.num_experts, header.num_workers, header.num_copies
-    if e != shape.num_experts or f != shape.num_workers:
-        raise ValueError(f"plan.shape: expected (num_experts, num_workers) = ({shape.num_experts}, {shape.num_workers}), got ({e}, {f})")
-    if c < 0 or c > e * f:
-        raise ValueError(f"plan.num_copies: expected in [0, {e * f}], got {c}")
-    if header.step < 0 or header.layer < 0 or header.microbatch < 0 or header.seq < 0:
-        raise ValueError("plan.target: expected non-negative step, layer, microbatch and seq")
-    if header.layer >= shape.num_layers:
-        raise ValueError(f"plan.layer: expected in [0, {shape.num_layers}), got {header.layer}")
-    if len(data) - offset != body_length(e, f, c):
-        raise ValueError(f"plan.body: expected {body_length(e, f, c)} bytes, got {len(data) - offset}")
-    # One C++ pass checks the body's ranges in place (numpy: ~6 reductions of ~1 us each).
-    check_plan_body(data, offset, e, f, c, _max_slots(e, f, shape.redundant_slots))
+    e, f = shape.num_experts, shape.num_workers
+    # One C++ call, in place: prefix, checksum, header, shape, target, lengths and value ranges
+    # (decode_header's checks and messages, and the body's ranges).
+    step, layer, microbatch, seq, c, gain_ms, exposed_ms, primary_only, offset = decode_plan_entry(
+        data, e, f, shape.num_layers, _max_slots(e, f, shape.redundant_slots), FORMAT_VERSION)
     body = data[offset:].view(_I32)
     ef = e * f
     counts_end = e + 2 * ef
-    slot = body[counts_end:counts_end + ef].reshape(e, f)
-    copies = body[counts_end + ef + f:].reshape(c, 4)
-    return DecodedPlan(Target(header.step, header.layer, header.microbatch), header.seq, body[:e].astype(np.int64),
-                       None, body[e:e + ef].reshape(e, f), body[e + ef:counts_end].reshape(e, f), slot, copies,
-                       body[counts_end + ef:counts_end + ef + f], gain_ms=header.gain_ms,
-                       exposed_ms=header.exposed_ms, primary_only=header.primary_only)
+    return DecodedPlan(Target(step, layer, microbatch), seq, body[:e].astype(np.int64), None,
+                       body[e:e + ef].reshape(e, f), body[e + ef:counts_end].reshape(e, f),
+                       body[counts_end:counts_end + ef].reshape(e, f), body[counts_end + ef + f:].reshape(c, 4),
+                       body[counts_end + ef:counts_end + ef + f], gain_ms=gain_ms, exposed_ms=exposed_ms,
+                       primary_only=primary_only)
 
 
 @functools.lru_cache(maxsize=64)

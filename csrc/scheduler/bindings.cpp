@@ -264,9 +264,126 @@ void check_plan_body(const Bytes& data, size_t offset, int64_t e, int64_t f, int
   }
 }
 
+// The subset of msgpack that msgspec writes for PlanHeader: integers, floats, booleans.
+struct MsgpackReader {
+  const uint8_t* p;
+  const uint8_t* end;
+  bool ok = true;
+  uint8_t byte() {
+    if (p >= end) {
+      ok = false;
+      return 0;
+    }
+    return *p++;
+  }
+  uint64_t big_endian(int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) v = (v << 8) | byte();
+    return v;
+  }
+  bool integer(int64_t& out) {
+    const uint8_t b = byte();
+    if (b <= 0x7f) out = b;
+    else if (b >= 0xe0) out = static_cast<int8_t>(b);
+    else if (b == 0xcc) out = static_cast<int64_t>(big_endian(1));
+    else if (b == 0xcd) out = static_cast<int64_t>(big_endian(2));
+    else if (b == 0xce) out = static_cast<int64_t>(big_endian(4));
+    else if (b == 0xcf) {
+      const uint64_t v = big_endian(8);
+      if (v > static_cast<uint64_t>(INT64_MAX)) return false;
+      out = static_cast<int64_t>(v);
+    } else if (b == 0xd0) out = static_cast<int8_t>(big_endian(1));
+    else if (b == 0xd1) out = static_cast<int16_t>(big_endian(2));
+    else if (b == 0xd2) out = static_cast<int32_t>(big_endian(4));
+    else if (b == 0xd3) out = static_cast<int64_t>(big_endian(8));
+    else return false;
+    return ok;
+  }
+  bool number(double& out) {
+    if (p < end && (*p == 0xcb || *p == 0xca)) {
+      const bool wide = byte() == 0xcb;
+      const uint64_t bits = big_endian(wide ? 8 : 4);
+      if (wide) {
+        std::memcpy(&out, &bits, 8);
+      } else {
+        const uint32_t narrow = static_cast<uint32_t>(bits);
+        float f;
+        std::memcpy(&f, &narrow, 4);
+        out = f;
+      }
+      return ok;
+    }
+    int64_t v;
+    if (!integer(v)) return false;
+    out = static_cast<double>(v);
+    return true;
+  }
+  bool boolean(bool& out) {
+    const uint8_t b = byte();
+    out = b == 0xc3;
+    return ok && (b == 0xc2 || b == 0xc3);
+  }
+};
+
+// plan_codec.decode_worker_plan's checks in one pass over the entry, in place: prefix, checksum,
+// header (msgpack, PlanHeader's 10 fields), shape, target, lengths and the body's value ranges.
+// Returns (step, layer, microbatch, seq, num_copies, gain_ms, exposed_ms, primary_only, body offset).
+nb::tuple decode_plan_entry(const Bytes& data, int64_t e_expected, int64_t f_expected,
+                            int64_t num_layers, int64_t k_max, int64_t version) {
+  const uint8_t* base = data.data();
+  const size_t size = data.shape(0);
+  constexpr size_t kPrefix = 12;
+  if (size < kPrefix)
+    throw std::invalid_argument("plan: expected at least 12 bytes, got " + std::to_string(size));
+  if (std::memcmp(base, "AFPL", 4) != 0) throw std::invalid_argument("plan.magic: expected b'AFPL'");
+  uint16_t got_version, head_len;
+  uint32_t sum;
+  std::memcpy(&got_version, base + 4, 2);
+  std::memcpy(&head_len, base + 6, 2);
+  std::memcpy(&sum, base + 8, 4);
+  if (got_version != version)
+    throw std::invalid_argument("plan.version: expected " + std::to_string(version) + ", got " +
+                                std::to_string(got_version));
+  if (head_len % 4 || kPrefix + head_len > size)
+    throw std::invalid_argument("plan.header_length: expected a multiple of 4 within " +
+                                std::to_string(size - kPrefix) + " bytes, got " + std::to_string(head_len));
+  if (static_cast<uint32_t>(xxh64(base + kPrefix, size - kPrefix, 0)) != sum)
+    throw std::invalid_argument("plan.checksum: mismatch (torn or corrupted plan)");
+  MsgpackReader r{base + kPrefix, base + kPrefix + head_len};
+  int64_t v[7];
+  double gain = 0, exposed = 0;
+  bool primary_only = false;
+  bool ok = r.byte() == 0x9a;  // fixarray of 10
+  for (int i = 0; i < 7 && ok; ++i) ok = r.integer(v[i]);
+  ok = ok && r.number(gain) && r.number(exposed) && r.boolean(primary_only);
+  for (const uint8_t* q = r.p; ok && q < r.end; ++q) ok = *q == 0;  // zero padding only
+  if (!ok) throw std::invalid_argument("plan.header: malformed (not a PlanHeader)");
+  const int64_t step = v[0], layer = v[1], microbatch = v[2], seq = v[3], e = v[4], f = v[5], c = v[6];
+  if (e != e_expected || f != f_expected)
+    throw std::invalid_argument("plan.shape: expected (num_experts, num_workers) = (" + std::to_string(e_expected) +
+                                ", " + std::to_string(f_expected) + "), got (" + std::to_string(e) + ", " +
+                                std::to_string(f) + ")");
+  if (c < 0 || c > e * f)
+    throw std::invalid_argument("plan.num_copies: expected in [0, " + std::to_string(e * f) + "], got " +
+                                std::to_string(c));
+  if (step < 0 || layer < 0 || microbatch < 0 || seq < 0)
+    throw std::invalid_argument("plan.target: expected non-negative step, layer, microbatch and seq");
+  if (layer >= num_layers)
+    throw std::invalid_argument("plan.layer: expected in [0, " + std::to_string(num_layers) + "), got " +
+                                std::to_string(layer));
+  const size_t offset = kPrefix + head_len;
+  check_plan_body(data, offset, e, f, c, k_max);
+  return nb::make_tuple(step, layer, microbatch, seq, c, gain, exposed, primary_only, offset);
+}
+
 }  // namespace
 
 NB_MODULE(_scheduler_core, m) {
+  m.def("decode_plan_entry", &decode_plan_entry, "data"_a, "num_experts"_a, "num_workers"_a,
+        "num_layers"_a, "k_max"_a, "version"_a,
+        "Every check of plan_codec.decode_worker_plan on an encoded plan (uint8[n]) in one pass, in "
+        "place; returns (step, layer, microbatch, seq, num_copies, gain_ms, exposed_ms, "
+        "primary_only, body_offset). Raises ValueError.");
   m.def("plan_checksum", &plan_checksum, "data"_a, "start"_a,
         "uint32: the low 32 bits of XXH64 (seed 0) of data[start:] (uint8[n]): the plan checksum.");
   m.def("check_plan_body", &check_plan_body, "data"_a, "offset"_a, "num_experts"_a, "num_workers"_a,
