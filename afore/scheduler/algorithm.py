@@ -75,6 +75,7 @@ import numpy as np
 
 from afore.config import ClusterShape, CostModel, SchedulerParams
 from afore.plan import Plan, SlotTable, Target, check_planning_types
+from afore.scheduler.optimal import budget_bound
 
 INT32_MAX = 2**31 - 1
 
@@ -188,8 +189,11 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     # [chains] (theta = 0, like the chains: theta >= 1 keeps the paper's search exactly) Stage 3b:
     # copy-efficient searches to ever lower levels, while one reaches its level.
     if params.chains and theta == 0:
-        floor = max(level, replica_bound(k, has, min(params.copy_budget, f * shape.redundant_slots)))
+        budget = min(params.copy_budget, f * shape.redundant_slots)
+        floor = max(level, replica_bound(k, has, budget))
         target_level = int(best[1].max()) - 1
+        if target_level >= floor:  # no plan is below the certifier's budget bound either
+            floor = max(floor, budget_bound(shape, k, has.sum(axis=1) > 1, budget))
         while target_level >= floor:
             found = search_level(*search, level=target_level)
             if found is None or found[0] <= best_gain:

@@ -103,21 +103,21 @@ def lower_bounds(shape: ClusterShape, k: np.ndarray, table: SlotTable, protected
         candidates &= ~bound_on[e]
         r_max = 1 + existing + min(copy_budget, int(candidates.sum()))
         bound = max(bound, int(-(-int(k[e]) // r_max)))
-    return max(bound, budget_bound(shape, k, bound_on, copy_budget))
+    return max(bound, budget_bound(shape, k, bound_on.any(axis=1), copy_budget))
 
 
-def budget_bound(shape: ClusterShape, k: np.ndarray, bound_on: np.ndarray, copy_budget: int) -> int:
+def budget_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, copy_budget: int) -> int:
     """The smallest T (tiles) for which the copies needed to bring every worker to T fit the budget.
 
     A worker's load is at least the tiles of its primaries that stay on it. Tiles of a primary
-    with a replica elsewhere in C[t] (``bound_on``: bool[E, F]) may leave without a copy; any other
+    with a replica elsewhere in C[t] (``has_other``: bool[E]) may leave without a copy; any other
     primary that sheds tiles needs at least one new replica. So worker w at T needs at least
     m_w(T) copies, the fewest of its copy-needing primaries (largest first) whose tiles cover
     P_w - free_w - T, and sum_w m_w(T) <= B. Strong where B < F (cold tables: each overloaded
-    worker costs a copy), where the average bound is far below the optimum.
+    worker costs a copy), where the average bound is far below the optimum. Algorithm 1 stops its
+    stage 3b there too (the C++ core computes the same value).
     """
     f, owner = shape.num_workers, shape.primary_owner
-    has_other = bound_on.any(axis=1)
     needy = []
     for w in range(f):
         mine = owner == w

@@ -105,6 +105,9 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   moves_.reserve(static_cast<size_t>(max_hops_));
   kept_.reserve(static_cast<size_t>(max_hops_));
   by_tiles_.assign(E_, 0);
+  needy_.assign(E_, 0);
+  needy_rest_.assign(F_, 0);
+  needy_count_.assign(F_, 0);
   chain_.resize(F_);
   bfs_queue_.assign(F_, 0);
   bfs_parent_.assign(F_, -1);
@@ -625,10 +628,13 @@ void Scheduler::run(const ScheduleInputs& inputs, ScheduleOutputs& out) {
   // [chains] Stage 3b (algorithm.search_level): copy-efficient searches to ever lower levels,
   // each from the state after stage 2, while one reaches its level with a better gain.
   int64_t target_level = load_[donors_[0]] - 1;
-  if (in.chains && in.theta == 0 && target_level >= std::max(level, replica_bound)) {
+  int64_t floor = std::max(level, replica_bound);
+  if (in.chains && in.theta == 0 && target_level >= floor)
+    floor = std::max(floor, budget_bound(in, budget));  // no plan is below it (optimal.budget_bound)
+  if (in.chains && in.theta == 0 && target_level >= floor) {
     kept_.assign(moves_.begin(), moves_.end());
     undo_moves(0);
-    for (; target_level >= std::max(level, replica_bound); --target_level) {
+    for (; target_level >= floor; --target_level) {
       double gain = 0.0, exposed = 0.0;
       const bool reached = search_level(in, f0, target_level, gain, exposed);
       beyond_moves_ += static_cast<int64_t>(moves_.size());
@@ -763,6 +769,43 @@ bool Scheduler::search_level(const ScheduleInputs& in, double f0, int64_t level,
   exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
   gain = f0 - in.beta_tile_ms * static_cast<double>(load_[donors_[0]]) - exposed;
   return true;
+}
+
+// optimal.budget_bound on the input placement (C[t]'s bindings: stage 3 has not run from it):
+// the smallest T for which the copies that bring every worker's copy-needing primaries (those
+// with no other replica) down to T fit the budget.
+int64_t Scheduler::budget_bound(const ScheduleInputs& in, int64_t budget) {
+  const int64_t stamp = stamp_++;  // seen_stamp_[e] == stamp: e is bound in C[t]
+  for (int64_t i = 0; i < F_ * R_; ++i)
+    if (in.table_expert[i] >= 0) seen_stamp_[in.table_expert[i]] = stamp;
+  int64_t hi = 0;
+  for (int32_t w = 0; w < F_; ++w) {
+    int64_t* seg = &needy_[pstart_[w]];
+    int32_t n = 0;
+    for (int32_t i = pstart_[w]; i < pstart_[w + 1]; ++i)
+      if (seen_stamp_[pexperts_[i]] != stamp) seg[n++] = k_[pexperts_[i]];
+    std::sort(seg, seg + n, [](int64_t a, int64_t b) { return a > b; });
+    for (int32_t i = 1; i < n; ++i) seg[i] += seg[i - 1];  // prefix sums, nondecreasing
+    needy_rest_[w] = n > 0 ? seg[n - 1] : 0;
+    needy_count_[w] = n;
+    hi = std::max(hi, needy_rest_[w]);
+  }
+  const auto copies_needed = [&](int64_t t) {
+    int64_t total = 0;
+    for (int32_t w = 0; w < F_; ++w) {
+      if (needy_rest_[w] <= t) continue;
+      const int64_t* seg = &needy_[pstart_[w]];
+      total += (std::lower_bound(seg, seg + needy_count_[w], needy_rest_[w] - t) - seg) + 1;
+    }
+    return total;
+  };
+  int64_t lo = 0;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (copies_needed(mid) <= budget) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
 }
 
 // by_tiles_[0, n): the experts with more than theta tiles on u by (N[e, u] desc, e asc).

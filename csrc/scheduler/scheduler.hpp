@@ -83,6 +83,7 @@ class Scheduler {
                      double& best_gain, double& best_exposed);
   bool search_level(const ScheduleInputs& in, double f0, int64_t level, double& gain,
                     double& exposed);
+  int64_t budget_bound(const ScheduleInputs& in, int64_t budget);
   int32_t sort_movable(int32_t u, int64_t theta);
   bool find_level_move(const ScheduleInputs& in, int32_t h, int64_t excess, int64_t level,
                        bool copy, int32_t& e, int32_t& c, int32_t& r, int64_t& q);
@@ -145,6 +146,9 @@ class Scheduler {
   std::vector<Move> kept_;            // the first search's candidate while the second one runs
   int64_t searched_moves_ = 0;        // moves explored by the last search_beyond
   int64_t max_hops_ = 0;              // cap on the tile moves of the beyond phase
+  std::vector<int64_t> needy_;        // [E] budget_bound: per worker, copy-needing primaries' k, summed
+  std::vector<int64_t> needy_rest_;   // [F]
+  std::vector<int32_t> needy_count_;  // [F]
   std::vector<int32_t> by_tiles_;     // [E] search_level: the donor's movable experts by (N desc, id)
   std::vector<Hop> chain_;            // [F] hops of the last chain found
   std::vector<int32_t> bfs_queue_;    // [F] chain search: visited workers, level by level
