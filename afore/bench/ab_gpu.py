@@ -117,9 +117,10 @@ def ids_for_demand(demand: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
 
 
 def start_ffn_node(model: str, policy: str, num_ffn: int, device: str, ports: dict, token: str, log_path: Path,
-                   copy_budget: int, redundant_slots: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", model,
+                   copy_budget: int, redundant_slots: int, microbatches: int, dtype: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", model, "--dtype", dtype,
            "--attn-workers", "1", "--ffn-workers", str(num_ffn), "--device", device, "--policy", policy,
+           "--microbatches", str(microbatches),
            "--store-port", str(ports["store"]), "--demand-port", str(ports["demand"]), "--admin-port", str(ports["admin"]),
            "--copy-budget", str(copy_budget), "--redundant-slots", str(redundant_slots)]
     if device == "cpu" or _gpus() < num_ffn + 1:
@@ -228,7 +229,8 @@ def run_gpu(args) -> int:
     ports = {"store": free_port(), "demand": free_port(), "admin": free_port()}
     token = os.urandom(8).hex()
     budget = args.copy_budget if args.copy_budget is not None else args.ffn_workers
-    node = start_ffn_node(model, policies[0], args.ffn_workers, args.device, ports, token, log_path, budget, args.redundant_slots)
+    node = start_ffn_node(model, policies[0], args.ffn_workers, args.device, ports, token, log_path, budget, args.redundant_slots,
+                          counts.shape[2], dtype)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     results, conn, client, attention_by_policy = {}, None, None, {}
     try:
@@ -374,8 +376,12 @@ def summarise_driven(run: dict, before: dict, after: dict, policy: str, shape: t
         "step_ms_p95": float(np.percentile(keep, 95)) if keep.size else None,
         "f2a_wait_ms_mean": float(np.mean(st[:, 3] - st[:, 2]) / 1e6),
         "ffn_stage_ms_mean": 1e3 * d("afore_ffn_stage_seconds_sum", worker="0") / stage_n if stage_n else None,
+        "ffn_targets": d("afore_ffn_targets_total", worker="0"),
         "plans_used": d("afore_ffn_plans_total", worker="0", outcome="used"),
         "plans_missed": d("afore_ffn_plans_total", worker="0", outcome="missed"),
+        "plans_rejected_or_mismatched": d("afore_ffn_plans_total", worker="0", outcome="rejected")
+        + d("afore_ffn_plans_total", worker="0", outcome="mismatched"),
+        "primary_only_targets": d("afore_ffn_primary_only_targets_total", worker="0"),
         "copies": d("afore_ffn_copies_total"), "copy_bytes": d("afore_ffn_copy_bytes_total"),
         "exposed_ms_mean_planned": 1e3 * d("afore_ffn_exposed_copy_wait_seconds_sum", worker="0") / exposed_n if exposed_n else None,
         "max_mean_tile_load_mean": d("afore_ffn_tile_imbalance_sum", placement="plan") / imb_n if imb_n else None,

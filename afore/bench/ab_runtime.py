@@ -9,15 +9,19 @@ the measured side:
 - per step and MoE layer, on the attention worker (``AFORE_STAGE_TRACE``,
   ``afore.attention.stages``): the attention compute before the layer call, demand emit, A2F post,
   the wait for the F2A replies, and the step time (exit of the last MoE layer to the next one);
-- on the FFN workers and the scheduler (``/metrics``): the FFN stage (receive -> reply), plans
-  used / missed, copies, exposed copy wait; demand -> plan published per policy.
+- per target on the FFN workers (``PATH.ffn<rank>.csv``: read, taken up, plan, compute, vote,
+  reply) and the scheduler (``PATH.scheduler.csv``: demand written -> plan published), joined
+  with the attention rows on one CLOCK_MONOTONIC axis (``stage_table``);
+- from ``/metrics``: the FFN stage histogram, plans used / missed, copies, exposed copy wait.
 
 The simulated side (``pipeline_sim.simulate_runtime``) replays the same steps: the measured
 attention compute of every step and layer goes in as input, everything after it (demand emit,
 A2F, plan wait, plan decode, agreement, FFN stage, copies, F2A) comes from the stage calibration
-file, which ``--write-calibration`` produced from a *different* run (its own serve run plus
-microbenchmarks of the shm exchange, the plan decode and the FFN workers' vote). Step times are
-compared per policy, side by side.
+file, which ``--write-calibration`` produced from a *different* run (the same traces of its own
+serve run; the microbenchmarks of the shm exchange, plan decode, vote and host copy are kept in
+the file as a cross-check, and only the host copy rate is used). Step times are compared per
+policy, side by side, also against the same model fed with the validated run's own stage means
+(which separates the model's structure from the drift of stage costs between runs).
 """
 
 from __future__ import annotations
@@ -274,7 +278,15 @@ def serve_policies(model: str, policies: tuple[str, ...], requests: int, concurr
         wait_ready(url, 900, proc)
         wait_admin(admin_url, 120, proc)
         for policy in policies:
-            set_policy(admin_url, policy)
+            for attempt in range(3):  # a scheduler that failed to start (e.g. its extension rebuilt under it) gets retried
+                try:
+                    set_policy(admin_url, policy)
+                    break
+                except RuntimeError as exc:
+                    if attempt == 2:
+                        raise
+                    print(f"afore bench ab --engine cpu-runtime: switching to {policy} failed ({exc}); retrying", file=sys.stderr)
+                    time.sleep(5.0)
             asyncio.run(run_load(url, model, prompts(concurrency), concurrency, True, 0, f"{policy} warm-up"))
             before = scrape_metrics(url)
             t0 = time.perf_counter_ns()
@@ -390,6 +402,9 @@ def stage_table(trace: str | Path, window_ns: tuple[int, int]) -> dict | None:
     col = {c: i for i, c in enumerate(COLUMNS)}
     attn = attn[(attn[:, col["enter_ns"]] >= lo) & (attn[:, col["done_ns"]] <= hi)]
     workers = [load_named(f) for f in ffn_files]
+    # the worker's order of stages: vote then compute (older workers), or compute then vote
+    header = open(ffn_files[0]).readline().strip().split(",")
+    vote_after = header.index("computed_ns") < header.index("agreed_ns")
     sched = load_named(sched_file)
     keys = ("arrived_ns", "start_ns", "plan_ns", "agreed_ns", "computed_ns", "sent_ns")
     per_seq: dict[int, dict] = {}
@@ -421,15 +436,22 @@ def stage_table(trace: str | Path, window_ns: tuple[int, int]) -> dict | None:
         rows["queue"].append(ms(rec["start_ns"] - rec["arrived_ns"]))
         rows["plan"].append(ms(rec["plan_ns"] - rec["start_ns"]))
         rows["decode"].append(ms(rec["plan_ns"] - rec["start_ns"]) if pub is not None and pub[1] <= rec["start_ns"] else nan)
-        rows["vote"].append(ms(rec["agreed_ns"] - rec["plan_ns"]))
-        rows["compute"].append(ms(rec["computed_ns"] - rec["agreed_ns"]))
-        rows["reply"].append(ms(rec["sent_ns"] - rec["computed_ns"]))
+        if vote_after:
+            rows["compute"].append(ms(rec["computed_ns"] - rec["plan_ns"]))
+            rows["vote"].append(ms(rec["agreed_ns"] - rec["computed_ns"]))
+            rows["reply"].append(ms(rec["sent_ns"] - rec["agreed_ns"]))
+        else:
+            rows["vote"].append(ms(rec["agreed_ns"] - rec["plan_ns"]))
+            rows["compute"].append(ms(rec["computed_ns"] - rec["agreed_ns"]))
+            rows["reply"].append(ms(rec["sent_ns"] - rec["computed_ns"]))
         rows["stage"].append(ms(rec["sent_ns"] - rec["start_ns"]))
         waiting = a is not None and a[col["recv_start_ns"]] <= rec["sent_ns"]
         rows["f2a_latency"].append(ms(a[col["done_ns"]] - rec["sent_ns"]) if waiting else nan)
         rows["schedule"].append(ms(pub[1] - pub[0]) if pub is not None else nan)
         rows["used"].append(rec["used"] / rec["n"])
-    return {k: np.array(v, np.float64) for k, v in rows.items()}
+    out = {k: np.array(v, np.float64) for k, v in rows.items()}
+    out["vote_after_compute"] = vote_after
+    return out
 
 
 def _mean(x: np.ndarray) -> float | None:
@@ -441,7 +463,7 @@ def stage_means(table: dict | None) -> dict:
     """{stage: mean ms} (NaN entries left out), {} without a table."""
     if table is None:
         return {}
-    return {k: _mean(v) for k, v in table.items()} | {"targets": int(table["stage"].size)}
+    return {k: _mean(v) for k, v in table.items() if k != "vote_after_compute"} | {"targets": int(table["stage"].size)}
 
 
 # ------------------------------------------------------------------ simulation of the measured steps
@@ -575,7 +597,7 @@ def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, m
 
     emit = float(np.mean(np.concatenate([s["demand_emit_ms"].ravel() for s in steps.values()])))
     post = float(np.mean(np.concatenate([s["a2f_post_ms"].ravel() for s in steps.values()])))
-    static = tables["static"]
+    static = tables["static"] if "static" in tables else next(iter(tables.values()))
     compute = float(np.nanmean(static["compute"]))
     schedule = {p: float(np.nanmean(t["schedule"])) for p, t in tables.items() if np.isfinite(t["schedule"]).any()}
     stages = {"demand_emit_ms": emit, "a2f_post_ms": post, "a2f_latency_ms": pooled("a2f_latency"),
@@ -583,7 +605,8 @@ def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, m
               "agreement_ms": pooled("vote"), "ffn_fixed_ms": pooled("reply"),
               "plan_timeout_ms": FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="").plan_timeout_ms,
               "copy_latency_ms": micro["copy"]["median_ms"], "copy_link_gbps": micro["copy"]["gbps"], "copy_cap_gbps": 0.0,
-              "deadline_share": 0.5, "copies_synchronous": True, "schedule_ms": schedule}
+              "deadline_share": 0.5, "copies_synchronous": True, "schedule_ms": schedule,
+              "vote_after_compute": bool(static["vote_after_compute"])}
     trace = "the calibration run's per-target traces (AFORE_STAGE_TRACE)"
     sources = {
         "demand_emit_ms": f"{trace}, attention worker: mean demand_ns - (enter_ns | previous sent_ns), decode targets",
@@ -594,10 +617,11 @@ def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, m
                           "was waiting for (f2a_read_ms folded in)",
         "plan_decode_ms": f"{trace}, FFN workers: mean plan_ns - start_ns over targets whose plan was published before "
                           "they were taken up",
-        "agreement_ms": f"{trace}, FFN workers: mean last agreed_ns - last plan_ns",
-        "ffn_fixed_ms": f"{trace}, FFN workers: mean sent_ns - computed_ns (reply write)",
-        "ffn_compute.intercept_ms": f"{trace}, FFN workers, static policy: mean computed_ns - agreed_ns (read-ahead, commit, "
-                                    "partition, expert compute)",
+        "agreement_ms": f"{trace}, FFN workers: mean of the last worker's vote (agreed_ns minus the stamp before it)",
+        "ffn_fixed_ms": f"{trace}, FFN workers: mean sent_ns minus the stamp before it (reply write)",
+        "ffn_compute.intercept_ms": f"{trace}, FFN workers, static policy: mean computed_ns minus the stamp before it "
+                                    "(read-ahead, commit, partition, expert compute)",
+        "vote_after_compute": "the FFN trace's column order (computed_ns before agreed_ns: the workers compute, then vote)",
         "ffn_compute.beta_tile_ms": "0: at decode sizes of the tiny model every worker has one tile (not resolvable here)",
         "schedule_ms": f"{trace}, scheduler: mean published_ns - written_ns per policy",
         "plan_timeout_ms": "FFNWorkerConfig.plan_timeout_ms (afore serve's setting, not a measurement)",
@@ -706,6 +730,12 @@ def run_cpu_runtime(args) -> int:
         rows[p]["step_error_own_stages"] = own[p]["step_error"]
         rows[p]["exchange_error_own_stages"] = own[p]["exchange_error"]
         rows[p]["step_ms_simulated_own_stages"] = own[p]["step_ms_simulated"]
+        # (c) each policy's window with its own stage means: the structure alone, no drift between windows
+        one = {**serve, "runs": {p: serve["runs"][p]}}
+        doc_p = build_calibration(one, {p: steps[p]}, cal_doc["microbenchmarks"], info, command_line(), {p: tables[p]})
+        window = compare(one, {p: steps[p]}, stage_costs_from_dict(doc_p["stages"]), doc_p, 2)[p]
+        rows[p]["simulated_window_stages"] = window["simulated"]
+        rows[p]["step_error_window_stages"] = window["step_error"]
     data = {"engine": "cpu-runtime", "date_utc": started, "hardware": {**_hardware(), "load_average_1min_start": load0},
             "model": info, "serve": {k: serve[k] for k in ("command", "settings")},
             "calibration": {"path": str(cal_path), "date_utc": cal_doc["meta"]["date_utc"], "command": cal_doc["meta"]["command"],
@@ -716,7 +746,8 @@ def run_cpu_runtime(args) -> int:
                          "every other stage from the calibration file",
             "target_step_error": 0.10, "policies": rows,
             "own_stages": {"stages": own_doc["stages"], "ffn_compute": own_doc["ffn_compute"], "sources": own_doc["sources"]},
-            "runs": {p: {"load": r["load"], "runtime": r["runtime"]} for p, r in serve["runs"].items()}}
+            "runs": {p: {"load": r["load"], "runtime": r["runtime"], "load_average_1min": r.get("load_average_1min")}
+                     for p, r in serve["runs"].items()}}
     name = args.name or "ab_cpu_runtime"
     paths = write_report(name, data, render_markdown(data), render_figure(data), out_dir=out_dir)
     print(render_markdown(data))
@@ -751,16 +782,19 @@ def render_markdown(data: dict) -> str:
              "Two simulated columns: (a) with the committed calibration file (a prediction: its stage costs were measured in "
              "another run); (b) with this run's own stage means, from the same traces (not a prediction: it checks the model's "
              "structure, serial layers, FFN stages one after the other, plan waits, separately from how much the stage costs "
-             "drift between two runs on a shared machine).", "",
+             "drift between two runs on a shared machine); (c) with the stage means of the policy's own window (the "
+             "structure alone: stage costs also drift between the policies' consecutive windows).", "",
              "| policy | steps | load avg (1 min, end of run) | step ms mean (measured) | step ms mean (simulated a: committed "
-             "calibration) | error a | step ms mean (simulated b: own stage means) | error b | step p50 (measured) | step p50 "
+             "calibration) | error a | step ms mean (simulated b: own stage means) | error b | error c (window's own stage "
+             "means) | step p50 (measured) | step p50 "
              "(simulated a / b) | exchange ms / layer (measured) | exchange ms / layer (simulated a / b) | attention ms / step "
-             "(measured, input) | F2A wait ms / target (measured) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(measured, input) | F2A wait ms / target (measured) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, r in data["policies"].items():
         me, si, so = r["measured"], r["simulated"], r["simulated_own_stages"]
         lines.append(f"| {p} | {r['steps']} | {_f(data['runs'][p].get('load_average_1min'), 1)} | {me['step_ms_mean']:.2f} | "
                      f"{si['step_ms_mean']:.2f} | {100 * r['step_error']:+.1f}% | {so['step_ms_mean']:.2f} | "
-                     f"{100 * r['step_error_own_stages']:+.1f}% | {me['step_ms_p50']:.2f} | {si['step_ms_p50']:.2f} / "
+                     f"{100 * r['step_error_own_stages']:+.1f}% | {100 * r['step_error_window_stages']:+.1f}% | "
+                     f"{me['step_ms_p50']:.2f} | {si['step_ms_p50']:.2f} / "
                      f"{so['step_ms_p50']:.2f} | {me['exchange_ms_per_layer']:.2f} | {si['exchange_ms_per_layer']:.2f} / "
                      f"{so['exchange_ms_per_layer']:.2f} | {me['attention_ms_per_step']:.2f} | {me['f2a_wait_ms_per_target']:.2f} |")
     lines += ["", "FFN side per policy:", "",
@@ -790,10 +824,12 @@ def render_markdown(data: dict) -> str:
                          f"{100 * t['used']:.1f}% |")
     worst = max(abs(r["step_error"]) for r in data["policies"].values())
     worst_own = max(abs(r["step_error_own_stages"]) for r in data["policies"].values())
+    worst_win = max(abs(r["step_error_window_stages"]) for r in data["policies"].values())
     target = data["target_step_error"]
     lines += ["", f"Largest step-time error: (a) committed calibration {100 * worst:.1f}% "
               f"({'within' if worst <= target else 'outside'} the {100 * target:.0f}% target); (b) this run's own stage means "
-              f"{100 * worst_own:.1f}% ({'within' if worst_own <= target else 'outside'} it).", "",
+              f"{100 * worst_own:.1f}% ({'within' if worst_own <= target else 'outside'} it); (c) each window's own "
+              f"{100 * worst_win:.1f}% ({'within' if worst_win <= target else 'outside'} it).", "",
               "Reading: the attention compute of every measured step is an input (it is vLLM's, not afore's); what the model "
               "predicts is everything after it: the exchange of each MoE layer call (demand, A2F, the FFN stages of both "
               "microbatches one after the other, F2A) and with it the step. The exchange columns isolate that part. Exposed "

@@ -358,7 +358,9 @@ class StageCosts:
     ``copy_cap_gbps`` (pacing cap while experts compute, 0 = none) and ``deadline_share`` (a batch
     should end within this share of the last measured windows), the rule of
     ``afore.migrator.pacing.copy_rate``; ``copies_synchronous``: the copy runs on the worker's own
-    thread (CPU workers) instead of a side stream. ``sources``: where each figure comes from.
+    thread (CPU workers) instead of a side stream; ``vote_after_compute``: the workers compute on
+    their own plan and vote afterwards (the reply waits for the vote) instead of voting before
+    the compute. ``sources``: where each figure comes from.
     """
 
     demand_emit_ms: float = 0.0
@@ -375,6 +377,7 @@ class StageCosts:
     copy_cap_gbps: float = 0.0
     deadline_share: float = 0.5
     copies_synchronous: bool = False
+    vote_after_compute: bool = False
     schedule_ms: dict = dataclasses.field(default_factory=dict)
     sources: dict = dataclasses.field(default_factory=dict)
 
@@ -543,7 +546,8 @@ def simulate_runtime(mode: str, attention_ms: np.ndarray, compute_ms: np.ndarray
                 plan_wait[t] = c.plan_timeout_ms
                 h += c.plan_timeout_ms
                 missed[t] = True
-        h += c.agreement_ms
+        if not c.vote_after_compute:
+            h += c.agreement_ms
         if not missed[t] and not early[t]:
             h = submit(t, h)
         nxt = t + 1
@@ -562,7 +566,10 @@ def simulate_runtime(mode: str, attention_ms: np.ndarray, compute_ms: np.ndarray
                 recent.append(window[t])
                 del recent[:-2]
             h += exposed[t]
-        h += (primary[t] if missed[t] else compute[t]) + c.ffn_fixed_ms
+        h += primary[t] if missed[t] else compute[t]
+        if c.vote_after_compute:
+            h += c.agreement_ms
+        h += c.ffn_fixed_ms
         f_end[t] = h
         reply[t] = h + c.f2a_latency_ms
         state["free"] = h

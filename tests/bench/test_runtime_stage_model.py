@@ -191,3 +191,17 @@ def test_ids_for_demand_reproduce_the_trace_counts():
         assert all(len(set(row)) == k for row in out.tolist())
     with pytest.raises(ValueError, match="pairs"):
         ids_for_demand(np.ones(e, int), tokens, k)
+
+
+def test_vote_after_compute_keeps_the_stage_and_moves_the_read_ahead_earlier():
+    import dataclasses
+
+    after = dataclasses.replace(HAND, vote_after_compute=True)
+    a = simulate_runtime("serial", np.array([[1.0]]), np.array([2.0, 2.0]), 1, 2, after, schedule_ms=0.0)
+    assert a.ffn_end == pytest.approx([3.9, 6.0]) and a.step_ms == pytest.approx([6.6])  # no read-ahead: same times
+    # both microbatches at the FFN at 1.0 with one copy for mb1: read ahead right after mb0's decode (1.05 + 0.05)
+    costs = StageCosts(plan_decode_ms=0.05, agreement_ms=0.05, copy_link_gbps=1.0, vote_after_compute=True)
+    tl = simulate_runtime("serial", np.array([[1.0]]), np.full(2, 2.0), 1, 2, costs, 0.0, copies=np.array([0, 1]),
+                          bytes_per_expert=1e6)
+    assert tl.window[1] == pytest.approx(3.15 - 1.1)  # mb1 commits right after being taken up at 3.15
+    assert tl.ffn_end == pytest.approx([3.15, 5.2])
