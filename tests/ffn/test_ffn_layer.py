@@ -42,6 +42,18 @@ def relative_error(out, ref):
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def random_case(shape, n, seed):
+    """(rng, w13, w2, hidden, ids, weights, demand) of one random layer call with ``n`` tokens."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    e = shape.num_experts
+    w13 = torch.randn(e, 2 * I, H, generator=gen) / 4
+    w2 = torch.randn(e, H, I, generator=gen) / 4
+    hidden = torch.randn(n, H, generator=gen)
+    ids, weights = random_routing(n, shape, rng, skew=float(rng.uniform(0, 2)))
+    return rng, w13, w2, hidden, ids, weights, np.bincount(ids.reshape(-1).numpy(), minlength=e)
+
+
 shapes = st.builds(
     lambda e, f, r, k, m: ClusterShape(num_experts=max(e, f), num_workers=f, redundant_slots=r,
                                        top_k=min(k, max(e, f)), m_tile=m),
@@ -51,14 +63,8 @@ shapes = st.builds(
 @settings(max_examples=60, deadline=None)
 @given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1))
 def test_sum_over_workers_equals_dense_layer(shape, n, seed, fill):
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
+    rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
     e = shape.num_experts
-    w13 = torch.randn(e, 2 * I, H, generator=gen) / 4
-    w2 = torch.randn(e, H, I, generator=gen) / 4
-    hidden = torch.randn(n, H, generator=gen)
-    ids, weights = random_routing(n, shape, rng, skew=float(rng.uniform(0, 2)))
-    demand = np.bincount(ids.reshape(-1).numpy(), minlength=e)
     table = random_slot_table(shape, rng, fill)
     plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
     check_plan(shape, plan, table)
@@ -80,14 +86,8 @@ def test_host_sparse_step_equals_the_torch_step(shape, n, seed, fill, bad, stale
     torch backend's rows of the same tokens bit for bit, its tokens are exactly those with a
     pair on it, ids outside [0, E) run nowhere and are counted, also for a plan made for
     other demand (stale: the primary takes the remainder)."""
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
+    rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
     e = shape.num_experts
-    w13 = torch.randn(e, 2 * I, H, generator=gen) / 4
-    w2 = torch.randn(e, H, I, generator=gen) / 4
-    hidden = torch.randn(n, H, generator=gen)
-    ids, weights = random_routing(n, shape, rng, skew=float(rng.uniform(0, 2)))
-    demand = np.bincount(ids.reshape(-1).numpy(), minlength=e)
     if stale:
         demand = rng.permutation(demand)
     if n and bad:  # padding rows some routers mark with -1, and ids past E
