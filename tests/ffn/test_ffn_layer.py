@@ -64,7 +64,6 @@ shapes = st.builds(
 @given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1))
 def test_sum_over_workers_equals_dense_layer(shape, n, seed, fill):
     rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
-    e = shape.num_experts
     table = random_slot_table(shape, rng, fill)
     plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
     check_plan(shape, plan, table)
