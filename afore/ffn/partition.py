@@ -131,15 +131,19 @@ def worker_mask(topk_ids: torch.Tensor, assignment: torch.Tensor, primary_owner:
     topk_ids: int[N, k]; assignment: int[E, F]; primary_owner: int64[E] (same device).
     token_aware: rank the pairs with ``token_aware_ordinals`` instead of routing order (every
     worker of the pool must use the same choice for one target).
+    Ids outside [0, E) run nowhere and, in routing order, rank in a bin of their own: the rule of
+    the expert step (``afore.ffn.experts``), so the mask names exactly the pairs the step runs.
     """
     num_experts = assignment.shape[0]
     flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
     if token_aware:
-        ordinals = token_aware_ordinals(topk_ids, assignment, primary_owner)
+        ordinals = token_aware_ordinals(topk_ids.clamp(0, num_experts - 1), assignment, primary_owner)
     else:
-        ordinals = pair_ordinals(flat, num_experts)
+        ordinals = pair_ordinals(torch.where(valid, flat, num_experts), num_experts + 1)
     lo, hi = ordinal_intervals(assignment, primary_owner)
-    return (ordinals >= lo[flat, worker]) & (ordinals < hi[flat, worker])
+    ex = torch.where(valid, flat, 0)
+    return valid & (ordinals >= lo[ex, worker]) & (ordinals < hi[ex, worker])
 
 
 def pair_workers(topk_ids: torch.Tensor, assignment: torch.Tensor, primary_owner: torch.Tensor,

@@ -365,11 +365,9 @@ class FFNWorker:
 
     def _my_tokens(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> torch.Tensor:
         """int64 [U], ascending: the gathered tokens with at least one pair on this worker (eq. 11)."""
-        e = self.shape.num_experts
-        ids = mb.topk_ids
-        valid = (ids >= 0) & (ids < e)  # ids outside [0, E) run nowhere (the layer counts them)
+        ids = mb.topk_ids  # ids outside [0, E) run nowhere (worker_mask; the layer counts them)
         assignment = torch.from_numpy(plan.assignment).to(self.device, non_blocking=True)
-        mine = worker_mask(ids.clamp(0, e - 1), assignment, self._owner, self.cfg.rank).view(ids.shape) & valid
+        mine = worker_mask(ids, assignment, self._owner, self.cfg.rank).view(ids.shape)
         return mine.any(1).nonzero().squeeze(1)
 
     def run(self, report_s: float = 10.0) -> None:
