@@ -444,8 +444,9 @@ def render_markdown(data: dict) -> str:
                   "rest. *cold*: empty slot table, nothing protected, no previous assignment. *burst*: the pool planned "
                   "one target first (its table, protected slots and assignment carry over), then 1-5 experts turn "
                   "5-40x hotter. Certified by bound = the greedy met the certifier's lower bound (average load "
-                  "ceil(sum k / F), or an expert's tiles over the most replicas it can have); by MILP = HiGHS proved "
-                  "the optimum.", ""]
+                  "ceil(sum k / F), an expert's tiles over the most replicas it can have, or the copies each "
+                  "overloaded worker needs within B: `optimal.budget_bound`); by MILP = HiGHS proved the optimum; "
+                  "a MILP time limit leaves the target unproven, counted as not optimal.", ""]
         rows = [[kind, h["targets"], f"{h['optimal']} / {h['targets']}", f"{h['optimal_paper']} / {h['targets']}",
                  h["certified_by_bound"], h["certified_by_milp"], h["time_limit"], h["max_gap_tiles"],
                  h["core_us"]["median"], h["core_us"]["p99"]] for kind, h in holdout.items()]
