@@ -103,11 +103,13 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
         for r in range(num_ffn)])
     outputs = [[None] * len(targets) for _ in range(num_attention)]
     errors, conns = [], []
-    connected = threading.Barrier(num_attention + 1, timeout=120)
+    # GPU workers capture (and tune) a CUDA graph per token bucket before they attach
+    start_s = 600 if device == "cuda" else 60
+    connected = threading.Barrier(num_attention + 1, timeout=start_s + 60)
 
     def attention(a):
         try:
-            conn = ShmAttentionEnd(segment, layout, a, device, timeout_s=60) if segment else AttentionConnector(cfg, a)
+            conn = ShmAttentionEnd(segment, layout, a, device, timeout_s=start_s) if segment else AttentionConnector(cfg, a)
             conns.append(conn)
             connected.wait()  # the FFN workers attached to the ring before the rendezvous
             # two targets in flight: send t+1 before receiving t
@@ -130,7 +132,7 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
         for seq in sorted(plans):
             ring.publish(plans[seq])
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=start_s + 120)
         assert not errors, errors
         assert all(not t.is_alive() for t in threads)
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
