@@ -483,6 +483,13 @@ def interpretation(data: dict) -> list[str]:
                    f"its {a['targets_with_copies']} targets with copies (its plans claim {a['claimed_exposed_ms_per_target']:.4f} ms per "
                    f"target against the planning window W = {data['calibration']['cost_model']['window_ms']:.2f} ms; the simulated "
                    f"window, copy submission -> commit, has a median of {a['window_ms_p50']:.3f} ms).")
+        out.append("  - why: an FFN worker reads ahead (decodes the next plan and submits its copies) once per target, before "
+                   "its compute, and only for a target whose tokens have already arrived. In serial mode microbatch 1 of a "
+                   "layer arrives while microbatch 0 runs, so its copies are hidden; microbatch 0 arrives only after the "
+                   "previous layer's replies and the attention compute, so its copies are submitted at its own commit and "
+                   "fully exposed. In ping-pong mode the next target's tokens arrive during the current target's compute, "
+                   "after that read-ahead point, so no copy is hidden. Reading ahead by published plan (the demand leaves "
+                   "one stage before the tokens) instead of by arrived tokens would give every target a window.")
     out += ["",
             "For reference, the paper (GLM-4.5-Air on 16 A100s, EP 8, real serving) reports for afore +29.8% throughput and "
             "-18.2% p95 ITL against static on average, and +10.1-17.6% throughput / -7.1-9.5% p95 ITL against the strongest "
@@ -505,7 +512,9 @@ def interpretation(data: dict) -> list[str]:
             "--attention-ms) and request arrival dynamics. The real traces are switch-base-128 routing at top-1, reshaped into "
             "top-8 decode microbatches, over 6 layers; the synthetic traces are calibrated to that skew. Absolute ITL is the "
             "time of the simulated MoE layers only (dense layers, sampling and the network are left out); compare policies, "
-            "not absolute numbers. The stage model itself is checked against the CPU runtime by `afore bench ab --engine "
+            "not absolute numbers. The FFN worker's host clock stands for its device here: on GPUs kernel launches run "
+            "ahead of the device, which can hide copies this model exposes (the GPU replay, `afore bench ab --engine gpu`, "
+            "measures it). The stage model itself is checked against the CPU runtime by `afore bench ab --engine "
             "cpu-runtime` (bench/results/ab_cpu_runtime.md)."]
     return out
 
