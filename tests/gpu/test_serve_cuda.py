@@ -25,7 +25,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
-from servers import PROMPTS, Server, alive, base_env, free_port, free_port_pair, http, tiny  # noqa: E402
+from servers import PROMPTS, Server, alive, base_env, descendants, free_port, free_port_pair, http, tiny  # noqa: E402
 from afore.serve.launcher import _die_with_parent  # noqa: E402
 
 torch = pytest.importorskip("torch")
@@ -116,20 +116,6 @@ def _record(row: dict) -> None:
     if RESULTS:
         with open(RESULTS, "a") as fh:
             fh.write(json.dumps(row) + "\n")
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as fh:
-                kids = [int(c) for c in fh.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
 
 
 def _gpu_pids() -> set[int]:
@@ -223,7 +209,7 @@ def test_sigterm_leaves_no_process_and_no_gpu_memory(servers):
     key = CASES[0]
     assert key in started, "\n".join(errors)
     _, afore = started[key]
-    procs = [afore.proc.pid, *_descendants(afore.proc.pid)]
+    procs = [afore.proc.pid, *descendants(afore.proc.pid)]
     held = _gpu_pids() & set(procs)  # empty where nvidia-smi cannot see this PID namespace
     used_before = _gpu_used_mib()
     afore.proc.send_signal(signal.SIGTERM)

@@ -28,3 +28,23 @@ def qwen3_reference(qwen3_model, log_dir) -> list[dict]:
     from servers import reference
 
     return reference(qwen3_model, os.path.join(log_dir, "plain-qwen3.log"))
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[tuple[list[str], dict | None]]:
+    """The launcher's children, recorded instead of started: (command, environment) of every
+    ``subprocess.Popen`` in ``afore.serve.launcher``, in order; each looks alive."""
+    import afore.serve.launcher as launcher_mod
+
+    calls: list[tuple[list[str], dict | None]] = []
+
+    class FakePopen:
+        def __init__(self, cmd, env=None, **kw):
+            calls.append((cmd, env))
+            self.pid = 0
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(launcher_mod.subprocess, "Popen", FakePopen)
+    return calls

@@ -44,6 +44,22 @@ def alive(pid: int) -> bool:
         return False
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of all its threads, recursively), as seen now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            continue
+    return out
+
+
 def free_port_pair(n: int = 2) -> int:
     """A port p with p .. p + n - 1 free (default: API and admin endpoint)."""
     return free_port_run(n)

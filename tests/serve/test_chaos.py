@@ -30,28 +30,13 @@ import time
 import pytest
 
 from afore import _shm
-from servers import PROMPTS, AttentionNode, FfnNode, alive, http, needs_vllm
+from servers import PROMPTS, AttentionNode, FfnNode, alive, descendants, http, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
 
 STREAMS = 16
 MAX_TOKENS = 10
 NEAR_TIE = 1e-3
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as fh:
-                    kids = [int(k) for k in fh.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
 
 
 def _greedy(server, prompt: str) -> dict:
@@ -121,7 +106,7 @@ def test_chaos_under_16_streams(qwen3_model, log_dir):
         tags.append(f"afore-{attention.proc.pid}-")
         prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(STREAMS)]
         reference = {p: _greedy(attention, p) for p in prompts}  # each prompt alone, before any fault
-        trees = _descendants(ffn.proc.pid) + _descendants(attention.proc.pid)
+        trees = descendants(ffn.proc.pid) + descendants(attention.proc.pid)
 
         stop = threading.Event()
         results: list[tuple[str, list[int]]] = []
@@ -188,7 +173,7 @@ def test_chaos_under_16_streams(qwen3_model, log_dir):
             assert _greedy(attention, p)["ids"] == reference[p]["ids"]
     finally:
         trees += [p for root in (ffn.proc.pid, attention.proc.pid if attention else None) if root
-                  for p in _descendants(root) if p not in trees]
+                  for p in descendants(root) if p not in trees]
         if attention is not None:
             attention.stop()
         ffn.stop()

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from servers import PROMPTS, AforeServer, alive, assert_same_generation, free_port_pair, http, needs_vllm
+from servers import PROMPTS, AforeServer, alive, assert_same_generation, descendants, free_port_pair, http, needs_vllm
 from afore.scheduler.policies import POLICY_NAMES
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.slow]
@@ -34,22 +34,6 @@ def want(qwen3_reference) -> list[dict]:
     return qwen3_reference
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as fh:
-                    kids = [int(k) for k in fh.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
-
-
-
 def _shm_segments(tag: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(tag)]
 
@@ -58,16 +42,16 @@ def _shm_segments(tag: str) -> list[str]:
 def a1f2(model, want, log_dir):
     server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a1f2.log"), attn_workers=1, ffn_workers=2)
     pid = server.proc.pid
-    descendants = _descendants(pid)  # taken while all run (the kill test ends the FFN workers)
-    assert len(descendants) >= 4  # scheduler, 2 FFN workers, vLLM (and vLLM's own children)
+    procs = descendants(pid)  # taken while all run (the kill test ends the FFN workers)
+    assert len(procs) >= 4  # scheduler, 2 FFN workers, vLLM (and vLLM's own children)
     yield server
-    descendants += [p for p in _descendants(pid) if p not in descendants]  # e.g. a restarted scheduler
+    procs += [p for p in descendants(pid) if p not in procs]  # e.g. a restarted scheduler
     server.stop()
     assert server.proc.returncode is not None
     deadline = time.monotonic() + 30
-    while [p for p in descendants if alive(p)] and time.monotonic() < deadline:
+    while [p for p in procs if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in descendants if alive(p)], "processes left behind"
+    assert not [p for p in procs if alive(p)], "processes left behind"
     assert _shm_segments(f"afore-{pid}-") == [], "shared-memory segments left behind"
 
 

@@ -36,21 +36,10 @@ def test_nccl_on_a_shared_gpu_and_unknown_transports_are_refused():
                             hidden=8, backend="mpi")
 
 
-def test_ffn_workers_and_the_attention_side_get_the_same_backend(monkeypatch):
+def test_ffn_workers_and_the_attention_side_get_the_same_backend(monkeypatch, started):
     import afore.serve.launcher as launcher_mod
 
-    started = []
-
-    class FakePopen:
-        def __init__(self, cmd, env=None, **kw):
-            started.append((cmd, env))
-            self.pid = 0
-
-        def poll(self):
-            return None
-
     monkeypatch.setattr(launcher_mod, "device_count", lambda device: 1)
-    monkeypatch.setattr(launcher_mod.subprocess, "Popen", FakePopen)
     opts = ServeOptions(device="cuda", colocate=True, transport="torch-gloo", store_port=29600)
     launcher = launcher_mod.Launcher(opts)
     launcher.model = tiny("qwen3_moe")

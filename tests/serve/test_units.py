@@ -294,23 +294,12 @@ def test_role_config_takes_one_demand_path():
     AttentionRoleConfig(**base, demand="ffn-0.afore:29601", store_master=False)
 
 
-def test_gpu_ffn_workers_see_every_gpu_and_take_one_each(monkeypatch):
+def test_gpu_ffn_workers_see_every_gpu_and_take_one_each(monkeypatch, started):
     """CUDA IPC handles carry device indices: every FFN worker must see the same GPUs, so the
     launcher picks a worker's GPU with --device cuda:<i>, never by narrowing CUDA_VISIBLE_DEVICES."""
     import afore.serve.launcher as launcher_mod
 
-    started = []
-
-    class FakePopen:
-        def __init__(self, cmd, env=None, **kw):
-            started.append((cmd, env))
-            self.pid = 0
-
-        def poll(self):
-            return None
-
     monkeypatch.setattr(launcher_mod, "device_count", lambda device: 4)
-    monkeypatch.setattr(launcher_mod.subprocess, "Popen", FakePopen)
     for role, a, f, first in (("all", 2, 2, 2), ("ffn", 8, 4, 0)):
         started.clear()
         opts = ServeOptions(role=role, host="0.0.0.0" if role == "ffn" else "127.0.0.1", store_port=29600,
