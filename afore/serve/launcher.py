@@ -53,6 +53,7 @@ from afore.models.spec import ARCHITECTURES, ModelSpec
 from afore.procs import child_running
 from afore.scheduler.policies import POLICY_NAMES
 from afore.serve.console import ChildOutput, ready_banner
+from afore.transport.network import data_plane_env, is_wildcard, route_source
 
 log = logging.getLogger("afore.serve")
 
@@ -358,7 +359,8 @@ class Launcher:
                     if opts.role == "ffn":
                         from afore.transport.connector import host_store
 
-                        self.store = host_store(self.store_port, max(opts.start_timeout_s, opts.exchange_timeout_s))
+                        self.store = host_store(self.transport_host, self.store_port,
+                                                max(opts.start_timeout_s, opts.exchange_timeout_s))
                     self.start_scheduler(self.policy)
                 elif phase == "FFN workers":
                     self.create_data_plane()
@@ -419,7 +421,7 @@ class Launcher:
         to accept connections, so a port already in use fails the start, not the first request."""
         import socket
 
-        host = "127.0.0.1" if self.opts.host in ("0.0.0.0", "::", "") else self.opts.host
+        host = "127.0.0.1" if is_wildcard(self.opts.host) else self.opts.host
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
@@ -445,16 +447,14 @@ class Launcher:
         """F ``afore ffn-worker`` processes (afore.ffn.worker). They load their experts, then
         connect to the transport store that attention worker 0 hosts once vLLM builds the model,
         so they are ready with vLLM; until then they wait (up to ``start_timeout_s``)."""
-        import socket
-
         opts = self.opts
         assert self.spec is not None
         if not self.store_port:
-            with socket.socket() as sock:
-                sock.bind((opts.host, 0))
-                self.store_port = sock.getsockname()[1]
-        # role ffn: the store is hosted by this process, on every interface
-        store_host = "127.0.0.1" if opts.role == "ffn" and opts.host in ("0.0.0.0", "::", "") else opts.host
+            from afore.ports import free_port
+
+            self.store_port = free_port(self.transport_host)
+        # role ffn under a wildcard --host: the store is hosted by this process on every interface
+        store_host = "127.0.0.1" if is_wildcard(self.transport_host) else self.transport_host
         first_device = opts.attn_workers if opts.role == "all" else 0
         for w in range(opts.ffn_workers):
             # timeout_s bounds the FFN side's own waits (the rendezvous with a starting vLLM
@@ -507,7 +507,7 @@ class Launcher:
         role = AttentionRoleConfig(num_experts=self.spec.num_experts, top_k=self.spec.top_k,
                                    attn_workers=self.opts.attn_workers, ffn_workers=self.opts.ffn_workers,
                                    moe_layers=list(self.spec.moe_layer_indices), store_port=self.store_port,
-                                   hidden=self.spec.hidden_size, store_host=self.opts.ffn_host if split else self.opts.host,
+                                   hidden=self.spec.hidden_size, store_host=self.opts.ffn_host if split else self.transport_host,
                                    dtype=self.dtype, device=self.opts.device,
                                    backend=self.backend,
                                    microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
@@ -689,10 +689,29 @@ class Launcher:
     # ---- metrics (docs/metrics.md)
     def child_env(self) -> dict[str, str]:
         """The environment of every child: this one, plus the run's metrics directory, so each
-        child's prometheus_client records into it and vLLM's /metrics aggregates them all."""
+        child's prometheus_client records into it and vLLM's /metrics aggregates them all, and
+        the data plane's interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME: afore's groups and
+        vLLM's; values already in the environment win)."""
         if not self.metrics_dir:
             self.metrics_dir = multiprocess.create_dir()
-        return {**os.environ, multiprocess.ENV: self.metrics_dir}
+        return {**data_plane_env(self.data_plane_address()), **os.environ, multiprocess.ENV: self.metrics_dir}
+
+    @property
+    def transport_host(self) -> str:
+        """The address this node's torch transport listens on: its TCPStore (role ffn: hosted by
+        this process; role all: by attention worker 0) and, through the interface that owns it,
+        the gloo/NCCL data plane. Role all keeps the transport on the node (loopback under a
+        wildcard --host); role ffn listens on --host, where the attention node reaches it."""
+        if self.opts.role == "all" and is_wildcard(self.opts.host):
+            return "127.0.0.1"
+        return self.opts.host
+
+    def data_plane_address(self) -> str:
+        """The address this node's gloo/NCCL listeners bind: ``transport_host``, or on the
+        attention node the one it reaches the FFN node from."""
+        if self.opts.role == "attention":
+            return route_source(self.opts.ffn_host, self.store_port)
+        return self.transport_host
 
     def metrics_exposition(self) -> bytes | None:
         """afore's families of every process of this node, for the admin port's /metrics on the
@@ -724,8 +743,9 @@ class Launcher:
             if not self.store_port:
                 from afore.ports import free_port
 
-                self.store_port = free_port()
-            self.store = host_store(self.store_port, max(self.opts.start_timeout_s, self.opts.exchange_timeout_s))
+                self.store_port = free_port(self.transport_host)
+            self.store = host_store(self.transport_host, self.store_port,
+                                    max(self.opts.start_timeout_s, self.opts.exchange_timeout_s))
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from afore.plan import Target
 from afore.transport.base import Microbatch, ReplyRows
+from afore.transport.network import listen_fd
 
 MAGIC = 0xAF0E
 HEADER_LEN = 9
@@ -105,8 +106,18 @@ class _Pending:
 
 
 def _store(cfg: TransportConfig, rank: int) -> dist.TCPStore:
-    return dist.TCPStore(cfg.host, cfg.port, world_size=None, is_master=cfg.store_on_rank0 and rank == 0,
+    if cfg.store_on_rank0 and rank == 0:
+        return host_store(cfg.host, cfg.port, cfg.timeout_s)
+    return dist.TCPStore(cfg.host, cfg.port, world_size=None, is_master=False,
                          timeout=datetime.timedelta(seconds=cfg.timeout_s), wait_for_workers=False)
+
+
+def host_store(host: str, port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """The transport's TCPStore server, listening on ``host:port`` only (every interface for a
+    wildcard host: ``afore.transport.network``); keep the returned object alive as long as the
+    ranks may connect. It has no authentication: a trusted network only (docs/deploy.md)."""
+    return dist.TCPStore(host, port, world_size=None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listen_fd(host, port))
 
 
 def ffn_ready_key(ffn_rank: int) -> str:
@@ -134,15 +145,6 @@ def wait_for_ffn(host: str, port: int, num_ffn: int, timeout_s: float) -> None:
             ready = sum(store.check([k]) for k in keys)
             raise TimeoutError(f"{ready} of {num_ffn} FFN workers ready at {host}:{port} after {timeout_s:.0f} s")
         time.sleep(0.5)
-
-
-def host_store(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
-    """A TCPStore server for a transport whose ranks are all clients (``store_on_rank0=False``);
-    keep the returned object alive as long as the ranks may connect. It listens on every
-    interface (torch binds the wildcard address) and has no authentication: keep the port
-    inside the cluster network."""
-    return dist.TCPStore("0.0.0.0", port, world_size=None, is_master=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 # The FFN side waits for the next request on the control group for as long as the server is idle:

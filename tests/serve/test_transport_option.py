@@ -53,3 +53,37 @@ def test_ffn_workers_and_the_attention_side_get_the_same_backend(monkeypatch, st
     assert all(w["backend"] == "gloo" and w["device"] == "cuda:0" for w in workers)
     role = json.loads(started[-1][1][CONFIG_ENV])
     assert role["backend"] == "gloo" and role["device"] == "cuda"
+
+
+def test_the_transport_listens_where_the_node_is_reached(monkeypatch, started):
+    """Role all keeps the store and the gloo/NCCL data plane on the node (loopback, also under a
+    wildcard --host); role ffn listens on --host (a wildcard: the store on every interface, the
+    data plane where gloo/NCCL choose); the attention node pins the interface it reaches the FFN
+    node from. Every child gets the interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)."""
+    import afore.serve.launcher as launcher_mod
+    from afore.transport.network import IFNAME_ENV, interface_of
+
+    for name in IFNAME_ENV:
+        monkeypatch.delenv(name, raising=False)
+    loopback = interface_of("127.0.0.1")
+    cases = [(ServeOptions(transport="torch-gloo"), "127.0.0.1", loopback),
+             (ServeOptions(transport="torch-gloo", host="0.0.0.0"), "127.0.0.1", loopback),
+             (ServeOptions(role="ffn", host="0.0.0.0", store_port=29600), "127.0.0.1", None),
+             (ServeOptions(role="attention", ffn_host="127.0.0.1", store_port=29600), "127.0.0.1", loopback)]
+    for opts, store_host, interface in cases:
+        started.clear()
+        launcher = launcher_mod.Launcher(opts)
+        launcher.model = tiny("qwen3_moe")
+        launcher.spec, launcher.config = read_serving_spec(launcher.model)
+        launcher.backend, launcher.dtype = "gloo", "float32"
+        if opts.role != "attention":
+            launcher.start_ffn_workers()
+        if opts.role != "ffn":
+            launcher.start_server()
+        hosts = [json.loads(cmd[cmd.index("--config-json") + 1])["host"] for cmd, _ in started if "ffn-worker" in cmd]
+        hosts += [json.loads(env[CONFIG_ENV])["store_host"] for _, env in started if CONFIG_ENV in env]
+        assert hosts and set(hosts) == {store_host}, (opts.role, opts.host, hosts)
+        for _, env in started:
+            assert [env.get(name) for name in IFNAME_ENV] == [interface] * 2, (opts.role, opts.host)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # set by hand: kept
+    assert launcher.child_env()["NCCL_SOCKET_IFNAME"] == "ib0"

@@ -48,7 +48,7 @@ def ffn_process():
 
     def start(mode: str) -> tuple[mp.Process, AttentionConnector]:
         port = _free_port()
-        stores.append(host_store(port, FFN_START_TIMEOUT_S))
+        stores.append(host_store("127.0.0.1", port, FFN_START_TIMEOUT_S))
         proc = mp.get_context("spawn").Process(target=_ffn, args=(port, mode), daemon=True)
         proc.start()
         procs.append(proc)
