@@ -173,3 +173,39 @@ def layer_index(layer_name: str) -> int:
         raise ValueError(f"layer_name: expected a prefix containing 'layers.<index>.', got {layer_name!r}")
     return int(m.group(1))
 
+
+
+def quiet_shutdown_race() -> None:
+    """Keep vLLM's "AsyncLLM output_handler failed" EngineDeadError traceback out of a requested
+    stop of the API server (this process).
+
+    ``AsyncLLM.shutdown`` (0.26 and 0.32 alike) tears the engine core down before it cancels its
+    output handler; the core client's output task, cancelled on the way, hands the handler an
+    EngineDeadError, which the handler logs with its traceback whenever it runs before its own
+    cancellation lands: a race (vllm-project/vllm#48745; #49000 proposes the same cure). Here
+    ``AsyncLLM.shutdown`` first marks the stop as requested, and a filter on that module's logger
+    drops that one record (EngineDeadError, output handler) once it is marked. Pending requests
+    still get the error; an engine that dies on its own (no shutdown asked for) is still logged."""
+    import logging
+    import threading
+
+    from vllm.v1.engine import async_llm
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    original = async_llm.AsyncLLM.shutdown
+    if getattr(original, "afore_marks_stop", False):
+        return
+    requested = threading.Event()
+
+    def shutdown(self, *args, **kwargs):
+        requested.set()
+        return original(self, *args, **kwargs)
+
+    def keep(record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (requested.is_set() and isinstance(error, EngineDeadError)
+                    and record.getMessage().startswith("AsyncLLM output_handler failed"))
+
+    shutdown.afore_marks_stop = True
+    async_llm.AsyncLLM.shutdown = shutdown
+    logging.getLogger(async_llm.__name__).addFilter(keep)

@@ -55,6 +55,9 @@ from afore.transport.connector import FFNConnector, TransportConfig
 log = logging.getLogger("afore.ffn.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# afore serve's notice to its FFN workers that it is stopping, sent before it stops vLLM: the
+# attention side's connections are about to close on purpose (SIGTERM follows once vLLM is down)
+STOP_NOTICE = signal.SIGUSR1
 
 
 class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -400,7 +403,14 @@ class FFNWorker:
 
 
 def serve_worker(cfg: FFNWorkerConfig) -> int:
-    """Process body: build the worker, serve until SIGTERM/SIGINT, clean up. Returns the exit code."""
+    """Process body: build the worker, serve until SIGTERM/SIGINT, clean up. Returns the exit code.
+
+    A peer that goes away (a transport error) ends the worker: an error (exit 1), unless a stop
+    was under way (``STOP_NOTICE`` from ``afore serve``, or SIGTERM/SIGINT already received, as
+    Ctrl-C on a worker run by hand with its peers), in which case vLLM's side closed its
+    connections on purpose (exit 0)."""
+    stopping = threading.Event()
+    signal.signal(STOP_NOTICE, lambda signum, frame: stopping.set())  # before the long start (load, connect)
     worker = FFNWorker(cfg)
 
     def stop(signum, frame):
@@ -411,6 +421,9 @@ def serve_worker(cfg: FFNWorkerConfig) -> int:
     try:
         worker.run()
     except RuntimeError as exc:  # a peer went away (transport error): fail fast, no traceback spam
+        if stopping.is_set() or worker.stop_event.is_set():
+            log.info("FFN worker %d: the attention side closed its connections (stopping)", cfg.rank)
+            return 0
         log.error("FFN worker %d stopping: %s", cfg.rank, str(exc).splitlines()[0])
         return 1
     finally:

@@ -17,11 +17,12 @@ once (the connector reports the closed peer; a silent one times out after
 ``exchange_timeout_s``), vLLM's engine dies and its ``/health`` turns non-200; the
 scheduler dying only costs plans (FFN workers fall back to primary-only plans at once) and
 is restarted (:mod:`afore.serve.supervisor`, which also answers the admin ``/health``).
-SIGINT/SIGTERM stop everything in reverse order, wait for every child (killing
-stragglers), and remove the shared-memory segments. The admin endpoint (``--admin-port``,
-:mod:`afore.serve.admin`) reports the processes and switches the placement policy of the running
-server through :meth:`Launcher.switch_policy`, which restarts the scheduler with the new policy (no
-request is lost: plans are advisory).
+SIGINT/SIGTERM stop everything in reverse order (the FFN workers told first, so that vLLM's
+side closing is no error to them), wait for every child (killing stragglers), and remove the
+shared-memory segments; each child has a session of its own, so Ctrl-C reaches the launcher
+only. The admin endpoint (``--admin-port``, :mod:`afore.serve.admin`) reports the processes and
+switches the placement policy of the running server through :meth:`Launcher.switch_policy`,
+which restarts the scheduler with the new policy (no request is lost: plans are advisory).
 """
 
 from __future__ import annotations
@@ -300,6 +301,12 @@ def _die_with_parent() -> None:
         pass
 
 
+# Popen arguments of every child: SIGTERM when the launcher dies, and a session of its own, so that
+# a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the launcher alone, which
+# stops the children in order (vLLM first, while the FFN workers still answer), as on SIGTERM.
+CHILD_POPEN = {"preexec_fn": _die_with_parent, "start_new_session": True}
+
+
 class Launcher:
     """Starts, supervises and stops one ``afore serve`` deployment."""
 
@@ -410,7 +417,7 @@ class Launcher:
                             cost=serving_cost_model(self.opts.calibration, self.opts.device, self.spec.hidden_size,
                                                     self.spec.moe_intermediate_size, self.dtype, self.shape().m_tile),
                             listen=listen)  # token: from the environment
-        proc = start_scheduler_process(cfg, preexec_fn=_die_with_parent, env=self.child_env(), **self.output.popen_kwargs())
+        proc = start_scheduler_process(cfg, env=self.child_env(), **CHILD_POPEN, **self.output.popen_kwargs())
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
         if listen:
@@ -461,7 +468,7 @@ class Launcher:
             # included); a request's latency is bounded on the attention side (exchange_timeout_s)
             cmd = [sys.executable, "-m", "afore.cli", "ffn-worker", "--config-json",
                    msgspec.json.encode(self.ffn_worker_config(w, store_host, first_device + w)).decode()]
-            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=self.child_env(),
+            self.ffn.append(Child(f"ffn-{w}", subprocess.Popen(cmd, env=self.child_env(), **CHILD_POPEN,
                                                                 **self.output.popen_kwargs())))
         self._check_children("starting FFN workers")
 
@@ -522,7 +529,7 @@ class Launcher:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.opts.attn_workers))
-        self.server = Child("vllm", subprocess.Popen(self.server_command(), env=env, preexec_fn=_die_with_parent,
+        self.server = Child("vllm", subprocess.Popen(self.server_command(), env=env, **CHILD_POPEN,
                                                      **self.output.popen_kwargs()))
 
     def wait_healthy(self) -> None:
@@ -672,6 +679,12 @@ class Launcher:
         if self._admin is not None:
             self._admin.stop()
             self._admin = None
+        if self.ffn:
+            from afore.ffn.worker import STOP_NOTICE
+
+            for child in self.ffn:  # vLLM goes first: its side of the exchange closes on purpose
+                if child.proc.poll() is None:
+                    child.proc.send_signal(STOP_NOTICE)
         if self.server is not None:
             _stop(self.server.proc, 30.0)
         for child in self.ffn:
