@@ -9,6 +9,7 @@ attention trace and the FFN workers' rows of the same ``seq`` line up on one tim
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -27,6 +28,8 @@ class CsvTrace:
         if self.path and not os.path.exists(self.path):
             with open(self.path, "w") as fh:
                 fh.write(",".join(columns) + "\n")
+        if self.path:  # the rows still buffered at a normal exit (an FFN worker flushes in close())
+            atexit.register(self.flush)
 
     @classmethod
     def from_env(cls, who: str, columns: tuple[str, ...], path: str | None = None) -> "CsvTrace":
