@@ -4,8 +4,8 @@ Columns (times: ``time.perf_counter_ns()``, comparable with the attention trace'
     seq, step, layer, microbatch, tokens (all senders), mine (tokens this worker computed),
     arrived_ns (the transport had the target), start_ns (the worker took it up), plan_ns (its plan
     read and checked), computed_ns (expert compute done), agreed_ns (every worker voted, after
-    the compute; a rare second compute when the vote failed comes before it), sent_ns (reply
-    published), used (1: the scheduler's plan ran, 0: primary-only)
+    the compute; a rare second compute when the vote failed comes before it), sent_ns (the reply
+    handed to the transport, stamped before it is published), used (1: the scheduler's plan ran, 0: primary-only)
 """
 
 from __future__ import annotations

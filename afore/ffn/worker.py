@@ -337,12 +337,12 @@ class FFNWorker:
         agreed = time.perf_counter_ns()
         # counted before the reply leaves: a client that has every reply sees every target counted
         self.metrics.observe_target(plan, stage_s=(agreed - t0) / 1e9, queued=self.connector.queued)
-        self.connector.send(mb, reply)
+        handed = time.perf_counter_ns()  # stamped before the reply is published: after it, the woken
+        self.connector.send(mb, reply)   # attention side may run first and the stamp would come late
         if self.trace.enabled:
             t = mb.target
             self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
-                            int(mb.arrived * 1e9), t0, planned, computed, agreed, time.perf_counter_ns(),
-                            int(not plan.primary_only)))
+                            int(mb.arrived * 1e9), t0, planned, computed, agreed, handed, int(not plan.primary_only)))
         return reply
 
     def _compute(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> ReplyRows:

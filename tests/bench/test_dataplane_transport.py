@@ -66,5 +66,5 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
     assert st["scheduler: encode + publish"] == 10
     assert b["stages"]["FFN: A2F posted -> worker takes it up"]["mean_us"] == 40  # (20 + 60) / 2
     assert st["FFN: vote (every worker, after the compute)"] == 10 and st["FFN: expert compute"] == 200
-    assert st["F2A: last reply -> attention has the sum"] == 900 - 150 - 40 - 300
+    assert st["F2A: last reply (rows into shm, wake) -> attention has the sum"] == 900 - 150 - 40 - 300
     assert st["attention: wait for F2A (total)"] == 769

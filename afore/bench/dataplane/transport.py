@@ -244,8 +244,8 @@ STAGES = (
     ("FFN: taken up -> plan read and checked", ("f", "start_ns"), ("f", "plan_ns")),
     ("FFN: expert compute", ("f", "plan_ns"), ("f", "computed_ns")),
     ("FFN: vote (every worker, after the compute)", ("f", "computed_ns"), ("f", "agreed_ns")),
-    ("FFN: reply (metrics, rows into shm, wake)", ("f", "agreed_ns"), ("f", "sent_ns")),
-    ("F2A: last reply -> attention has the sum", ("f", "sent_ns"), ("a", "done_ns")),
+    ("FFN: metrics of the target", ("f", "agreed_ns"), ("f", "sent_ns")),
+    ("F2A: last reply (rows into shm, wake) -> attention has the sum", ("f", "sent_ns"), ("a", "done_ns")),
     ("attention: wait for F2A (total)", ("a", "recv_start_ns"), ("a", "done_ns")),
 )
 
@@ -269,7 +269,7 @@ def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max
         seq = (a["step"] * num_layers + a["layer"]) * microbatches + a["microbatch"]
         rows = {"a": [a], "s": [sched[seq]] if seq in sched else [], "f": [w[seq] for w in ffn if seq in w]}
         for name, (t0, c0), (t1, c1) in STAGES:
-            if name.startswith("F2A"):  # from the last reply
+            if name.startswith("F2A"):  # from the last reply handed over
                 if rows["f"]:
                     samples[name].append(a["done_ns"] - max(r["sent_ns"] for r in rows["f"]))
                 continue
