@@ -53,8 +53,12 @@ def listen_fd(host: str, port: int) -> int | None:
 
 def route_source(host: str, port: int) -> str:
     """This machine's address on the route to ``host:port`` (the kernel's choice; nothing is
-    sent): where a node's data plane must listen for peers that live at ``host``."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    sent): where a node's data plane must listen for peers that live at ``host``. ValueError
+    naming ``host`` when it does not resolve."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"ffn_host: expected an address or a name that resolves, got {host!r} ({exc.strerror})") from None
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
         sock.connect(address)
         return sock.getsockname()[0]

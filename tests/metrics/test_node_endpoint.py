@@ -15,7 +15,7 @@ from afore.serve.launcher import Launcher, ServeOptions
 
 
 def launcher(role: str) -> Launcher:
-    extra = {"ffn": dict(host="0.0.0.0", store_port=29600), "attention": dict(ffn_host="h", store_port=29600)}.get(role, {})
+    extra = {"ffn": dict(host="0.0.0.0", store_port=29600), "attention": dict(ffn_host="127.0.0.1", store_port=29600)}.get(role, {})
     return Launcher(ServeOptions(role=role, **extra))
 
 

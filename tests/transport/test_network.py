@@ -64,3 +64,5 @@ def test_the_data_plane_is_pinned_to_the_interface_that_owns_the_address():
     assert interface_of("203.0.113.9") is None and data_plane_env("203.0.113.9") == {}
     assert data_plane_env("0.0.0.0") == {} and data_plane_env("::") == {}
     assert route_source("127.0.0.1", 9) == "127.0.0.1"
+    with pytest.raises(ValueError, match="ffn_host: .*'no-such-host.invalid'"):  # a bad --ffn-host says so
+        route_source("no-such-host.invalid", 9)
