@@ -660,6 +660,7 @@ class Launcher:
                 # the pair: LWS restarts the group); vLLM's /health is non-200 until it stops.
                 log.error("afore: %s exited with %s; stopping (restart afore serve to recover)%s",
                           dead[0].name, dead[0].proc.returncode, self.output.where())
+                self._let_requests_fail()
                 return 1
             for child in self.children():
                 key = f"{child.name}:{child.proc.pid}"
@@ -671,6 +672,19 @@ class Launcher:
                           f"{self.output.where()}",
                           file=sys.stderr, flush=True)
         return 0
+
+    #: after an FFN worker died: how long in-flight requests get to fail on their own (their
+    #: exchange raises at once, vLLM answers 500) before vLLM is stopped; a vLLM stopped first
+    #: aborts its engine and holds those connections open until it is killed (30 s)
+    FAIL_GRACE_S = 3.0
+
+    def _let_requests_fail(self) -> None:
+        if self.server is None:
+            return
+        deadline = time.monotonic() + self.FAIL_GRACE_S
+        while time.monotonic() < deadline and self.server.proc.poll() is None:
+            if self._stopping.wait(0.1):
+                return
 
     def request_stop(self, *_args) -> None:
         self._stopping.set()
