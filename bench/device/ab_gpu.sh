@@ -25,11 +25,7 @@ for pkg in fastapi uvicorn starlette pydantic pydantic_core anyio sniffio h11 cl
 done
 python3 -m pip install -q --no-deps --no-index --target /tmp/site $need 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
-if [ ! -f afore/_shm*.so ]; then
-  cmake -S . -B /tmp/afore-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" > /tmp/cmake.log \
-    && cmake --build /tmp/afore-build -j 16 > /tmp/build.log && cp /tmp/afore-build/_*.so afore/ \
-    || { tail -30 /tmp/cmake.log /tmp/build.log; exit 1; }
-fi
+source bench/device/build_afore.sh || exit 1
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee "$OUT/ab_gpu.log"
 for model in Qwen3-30B-A3B GLM-4.5-Air; do
   timeout "${AB_TIMEOUT:-540}" python3 -m afore.cli bench ab --engine gpu --device cuda --gpu-model "$model" --layers 4 \

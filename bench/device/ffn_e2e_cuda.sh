@@ -14,11 +14,7 @@ python3 -c 'import pytest' 2>/dev/null || need="$need $(ls .devcarry/mini/{pytes
 python3 -c 'import safetensors' 2>/dev/null || need="$need $(ls .devcarry/mini/safetensors-*.whl)"
 python3 -m pip install -q --no-deps --no-index --target /tmp/site $need 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD
-if [ ! -f afore/_shm*.so ]; then
-  cmake -S . -B /tmp/afore-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" > /tmp/cmake.log \
-    && cmake --build /tmp/afore-build -j 16 > /tmp/build.log && cp /tmp/afore-build/_*.so afore/ \
-    || { tail -30 /tmp/cmake.log /tmp/build.log; exit 1; }
-fi
+source bench/device/build_afore.sh || exit 1
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/ffn_e2e_cuda.log"
 timeout "${GPU_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider -x -v -rA -m gpu -o faulthandler_timeout=60 \
