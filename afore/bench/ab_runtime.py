@@ -532,6 +532,22 @@ def _all_steps(serve: dict, layers: int, microbatches: int) -> dict[str, dict]:
     return {p: decode_steps(data, tuple(r["window_ns"]), layers, microbatches) for p, r in serve["runs"].items()}
 
 
+def _calibration_doc(serve: dict, micro: dict, model: dict, command: str, compute: float, stages: dict,
+                     sources: dict, calibration_run: dict) -> dict:
+    """The stage-calibration document (CALIBRATION_KIND) around one run's stage costs; the
+    sources every calibration shares are added to ``sources``."""
+    sources = {**sources,
+               "ffn_compute.beta_tile_ms": "0: at decode sizes of the tiny model every worker has one tile (not resolvable here)",
+               "plan_timeout_ms": "FFNWorkerConfig.plan_timeout_ms (afore serve's setting, not a measurement)",
+               "copy_latency_ms, copy_link_gbps": "microbenchmark: host copy of one expert's bytes (CPU workers copy synchronously)"}
+    return {"kind": CALIBRATION_KIND, "meta": {"command": command, "date_utc": _now(), "hardware": _hardware()},
+            "engine": "cpu-runtime", "model": model,
+            "runtime": {"attn_workers": 1, "ffn_workers": 2, "microbatches": 2, "transport": "shm", "mode": "serial",
+                        "serve_command": serve["command"], "load": serve["settings"]},
+            "ffn_compute": {"intercept_ms": compute, "beta_tile_ms": 0.0, "m_tile": model["m_tile"]},
+            "stages": stages, "sources": sources, "microbenchmarks": micro, "calibration_run": calibration_run}
+
+
 def build_calibration(serve: dict, steps: dict[str, dict], micro: dict, model: dict, command: str,
                       tables: dict[str, dict | None] | None = None) -> dict:
     """The stage calibration document from a serve run (all policies): from the runtime's own
@@ -569,18 +585,10 @@ def build_calibration(serve: dict, steps: dict[str, dict], micro: dict, model: d
         "agreement_ms": f"microbenchmark: ShmFFNEnd.agree, {micro['agreement']['workers']} worker processes, slowest per vote",
         "ffn_compute.intercept_ms": "FFN stage of the calibration run's static policy (afore_ffn_stage_seconds mean, worker 0) "
                                     "minus plan_decode_ms and agreement_ms",
-        "ffn_compute.beta_tile_ms": "0: at decode sizes of the tiny model every worker has one tile (not resolvable here)",
         "schedule_ms": "afore_scheduler_demand_to_plan_seconds mean per policy, calibration run",
-        "plan_timeout_ms": "FFNWorkerConfig.plan_timeout_ms (afore serve's setting, not a measurement)",
-        "copy_latency_ms, copy_link_gbps": "microbenchmark: host copy of one expert's bytes (CPU workers copy synchronously)",
     }
-    return {"kind": CALIBRATION_KIND, "meta": {"command": command, "date_utc": _now(), "hardware": _hardware()},
-            "engine": "cpu-runtime", "model": model,
-            "runtime": {"attn_workers": 1, "ffn_workers": 2, "microbatches": 2, "transport": "shm", "mode": "serial",
-                        "serve_command": serve["command"], "load": serve["settings"]},
-            "ffn_compute": {"intercept_ms": compute, "beta_tile_ms": 0.0, "m_tile": model["m_tile"]},
-            "stages": stages, "sources": sources, "microbenchmarks": micro,
-            "calibration_run": {p: r["runtime"] for p, r in runs.items()}}
+    return _calibration_doc(serve, micro, model, command, compute, stages, sources,
+                            calibration_run={p: r["runtime"] for p, r in runs.items()})
 
 
 def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, model: dict, command: str,
@@ -622,19 +630,11 @@ def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, m
         "ffn_compute.intercept_ms": f"{trace}, FFN workers, static policy: mean computed_ns minus the stamp before it "
                                     "(read-ahead, commit, partition, expert compute)",
         "vote_after_compute": "the FFN trace's column order (computed_ns before agreed_ns: the workers compute, then vote)",
-        "ffn_compute.beta_tile_ms": "0: at decode sizes of the tiny model every worker has one tile (not resolvable here)",
         "schedule_ms": f"{trace}, scheduler: mean published_ns - written_ns per policy",
-        "plan_timeout_ms": "FFNWorkerConfig.plan_timeout_ms (afore serve's setting, not a measurement)",
-        "copy_latency_ms, copy_link_gbps": "microbenchmark: host copy of one expert's bytes (CPU workers copy synchronously)",
     }
-    return {"kind": CALIBRATION_KIND, "meta": {"command": command, "date_utc": _now(), "hardware": _hardware()},
-            "engine": "cpu-runtime", "model": model,
-            "runtime": {"attn_workers": 1, "ffn_workers": 2, "microbatches": 2, "transport": "shm", "mode": "serial",
-                        "serve_command": serve["command"], "load": serve["settings"]},
-            "ffn_compute": {"intercept_ms": compute, "beta_tile_ms": 0.0, "m_tile": model["m_tile"]},
-            "stages": stages, "sources": sources, "microbenchmarks": micro,
-            "calibration_run": {p: {"runtime": r["runtime"], "stage_means_ms": stage_means(tables[p])}
-                                for p, r in serve["runs"].items()}}
+    return _calibration_doc(serve, micro, model, command, compute, stages, sources,
+                            calibration_run={p: {"runtime": r["runtime"], "stage_means_ms": stage_means(tables[p])}
+                                            for p, r in serve["runs"].items()})
 
 
 def compare(serve: dict, steps: dict[str, dict], costs: StageCosts, cal_doc: dict, microbatches: int) -> dict:
