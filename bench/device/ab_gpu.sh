@@ -15,17 +15,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-need=".devcarry/mini/msgspec-*.whl .devcarry/mini/prometheus_client-*.whl"
-python3 -c 'import safetensors' 2>/dev/null || need="$need $(ls .devcarry/mini/safetensors-*.whl)"
-for pkg in fastapi uvicorn starlette pydantic pydantic_core anyio sniffio h11 click typing_extensions typing_inspection annotated_types idna; do
-  python3 -c "import $pkg" 2>/dev/null && continue
-  whl=$(ls .devcarry/mini/${pkg}-*.whl 2>/dev/null | head -1)
-  [ -n "$whl" ] || { echo "missing wheel for $pkg in .devcarry/mini (see the header)" | tee "$OUT/ab_gpu.log"; exit 2; }
-  need="$need $whl"
-done
-python3 -m pip install -q --no-deps --no-index --target /tmp/site $need 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD
-source bench/device/build_afore.sh || exit 1
+source bench/device/stage.sh || exit 1
+python3 -c "import fastapi, uvicorn, msgspec, prometheus_client" || { echo "missing packages: carry their wheels in .devcarry/mini (see the header)" | tee "$OUT/ab_gpu.log"; exit 2; }
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; } | tee "$OUT/ab_gpu.log"
 for model in Qwen3-30B-A3B GLM-4.5-Air; do
   timeout "${AB_TIMEOUT:-540}" python3 -m afore.cli bench ab --engine gpu --device cuda --gpu-model "$model" --layers 4 \

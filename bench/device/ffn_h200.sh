@@ -8,11 +8,8 @@
 #   bash bench/device/ffn_h200.sh [bench args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
-mkdir -p /tmp/w
-cp .devcarry/vllm-bundle/piece-* /tmp/w/ 2>/dev/null
-if [ ! -d /tmp/site/vllm ] && [ -f .devcarry/vllm-bundle/unpack.sh ]; then
-  bash .devcarry/vllm-bundle/unpack.sh /tmp/w || echo "vLLM bundle not unpacked: bench runs without vLLM"
-fi
+source bench/device/stage.sh || exit 1
+[ -d /tmp/site/vllm ] || echo "vLLM bundle not unpacked: bench runs without vLLM"
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'

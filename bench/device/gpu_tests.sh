@@ -8,18 +8,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-if [ ! -d /tmp/site/vllm ]; then
-  bash .devcarry/vllm-bundle/unpack.sh /tmp/w || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD
-# afore: C++ extensions built with plain cmake; a dist-info so that vLLM finds the plugin's entry point
-if [ ! -f afore/_scheduler_core*.so ] || [ ! -d /tmp/site/afore-0.1.0.dist-info ]; then
-  cmake -S . -B /tmp/afore-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" > /tmp/cmake.log \
-    && cmake --build /tmp/afore-build -j 16 > /tmp/build.log && cp /tmp/afore-build/_*.so afore/ || { tail -30 /tmp/cmake.log /tmp/build.log; exit 1; }
-  d=/tmp/site/afore-0.1.0.dist-info; mkdir -p $d
-  printf 'Metadata-Version: 2.1\nName: afore\nVersion: 0.1.0\n' > $d/METADATA
-  printf '[vllm.general_plugins]\nafore = afore.attention.plugin:register\n\n[console_scripts]\nafore = afore.cli:main\n' > $d/entry_points.txt
-fi
+source bench/device/stage.sh || exit 1
+[ -d /tmp/site/vllm ] || { echo "vLLM is not unpacked yet (bench/device/stage.sh)"; exit 1; }
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, vllm, afore; print('torch', torch.__version__, 'vllm', vllm.__version__)"; } | tee "$OUT/gpu_env.txt"
 rm -f "$OUT/gpu_tests.jsonl"

@@ -1,7 +1,8 @@
 """``afore serve --device cuda`` against plain vLLM on one GPU (run by bench/device/gpu_tests.sh).
 
-Per (dtype, mode) one plain vLLM server and one ``afore serve --device cuda --attn-workers 1
---ffn-workers 2 --colocate --transport torch-gloo`` on the same tiny checkpoint, all started at
+Per (dtype, mode) one plain vLLM server and, per transport, one ``afore serve --device cuda
+--attn-workers 1 --ffn-workers 2 --colocate --transport T`` (T: shm, the one-node default of
+shared buffers; torch-gloo, staged through gloo) on the same tiny checkpoint, all started at
 once (each vLLM takes a small fixed KV cache, so they share the GPU). mode ``eager`` passes
 ``--enforce-eager``; ``graphs`` is the default: torch.compile with piecewise CUDA graphs, the
 remote-experts op a splitting op. Under static, eplb and afore (switched on the running server)
@@ -10,7 +11,8 @@ counters show scheduler plans used and replica copies made (not only primary-onl
 Then a killed FFN worker: the request fails fast, /health turns non-200, afore serve exits
 non-zero within 10 s; after SIGTERM no process is left and the GPU memory is released.
 
-Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (eager,graphs).
+Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (eager,graphs),
+GPU_TRANSPORTS (shm,torch-gloo).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ARCHS = os.environ.get("GPU_ARCHS", "qwen3_moe").split(",")
 DTYPES = os.environ.get("GPU_DTYPES", "bfloat16,float32").split(",")
 MODES = os.environ.get("GPU_MODES", "eager,graphs").split(",")
+TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "shm,torch-gloo").split(",")
 POLICIES = ("static", "eplb", "afore")
 RESULTS = os.environ.get("GPU_RESULTS", "")  # JSON lines of every comparison, for the report
 # each server gets a small fixed KV cache, so that all of them fit on one GPU at once
@@ -78,10 +81,10 @@ class PlainCuda(StartedServer):
 
 
 class AforeCuda(StartedServer):
-    def __init__(self, model: str, dtype: str, mode: str, log_path: str):
+    def __init__(self, model: str, dtype: str, mode: str, transport: str, log_path: str):
         port = free_port_pair()
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
-               "--ffn-workers", "2", "--colocate", "--transport", "torch-gloo", "--policy", "static", "--verbose",
+               "--ffn-workers", "2", "--colocate", "--transport", transport, "--policy", "static", "--verbose",
                "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
                *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
         super().__init__(cmd, port, log_path)
@@ -130,16 +133,19 @@ def _gpu_used_mib() -> float:
     return float(out.split()[0]) if out.strip() else -1.0
 
 
-CASES = [(a, d, m) for a in ARCHS for d in DTYPES for m in MODES]
+CASES = [(a, d, m, t) for a in ARCHS for d in DTYPES for m in MODES for t in TRANSPORTS]
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(arch, dtype, mode) -> (plain, afore), all started at once."""
+    """(arch, dtype, mode, transport) -> (plain, afore), all started at once (one plain vLLM
+    server per (arch, dtype, mode), shared by the transports)."""
     logs = tmp_path_factory.mktemp("gpu-logs")
     models = {a: tiny(a) for a in ARCHS}  # built here, on the GPU host
-    jobs = {(a, d, m): (PlainCuda(models[a], d, m, str(logs / f"plain-{a}-{d}-{m}.log")),
-                        AforeCuda(models[a], d, m, str(logs / f"afore-{a}-{d}-{m}.log"))) for a, d, m in CASES}
+    plains = {(a, d, m): PlainCuda(models[a], d, m, str(logs / f"plain-{a}-{d}-{m}.log"))
+              for a in ARCHS for d in DTYPES for m in MODES}
+    jobs = {(a, d, m, t): (plains[(a, d, m)], AforeCuda(models[a], d, m, t, str(logs / f"afore-{a}-{d}-{m}-{t}.log")))
+            for a, d, m, t in CASES}
     started, errors = {}, []
     for key, pair in jobs.items():
         try:
@@ -157,11 +163,11 @@ def servers(tmp_path_factory):
         subprocess.run(f"tar -czf {log_dir}/gpu-logs.tgz -C {logs} .", shell=True, check=False)
 
 
-@pytest.mark.parametrize("arch,dtype,mode", CASES)
-def test_token_identical_to_plain_vllm_under_every_policy(servers, arch, dtype, mode):
+@pytest.mark.parametrize("arch,dtype,mode,transport", CASES)
+def test_token_identical_to_plain_vllm_under_every_policy(servers, arch, dtype, mode, transport):
     started, errors, _ = servers
-    assert (arch, dtype, mode) in started, "\n".join(errors)
-    plain, afore = started[(arch, dtype, mode)]
+    assert (arch, dtype, mode, transport) in started, "\n".join(errors)
+    plain, afore = started[(arch, dtype, mode, transport)]
     want = plain.greedy(PROMPTS, 16)
     for policy in POLICIES:
         code, body = afore.set_policy(policy)
@@ -172,7 +178,7 @@ def test_token_identical_to_plain_vllm_under_every_policy(servers, arch, dtype, 
         delta = {k: after[k] - before[k] for k in after}
         same = [g["ids"] == w["ids"] for g, w in zip(got, want)]
         worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["logprobs"], w["logprobs"]))
-        _record({"arch": arch, "dtype": dtype, "mode": mode, "policy": policy, "identical": all(same),
+        _record({"arch": arch, "dtype": dtype, "mode": mode, "transport": transport, "policy": policy, "identical": all(same),
                  "max_logprob_diff": worst, **delta})
         assert all(same), f"{policy}: tokens differ: afore {[g['ids'] for g in got]} vllm {[w['ids'] for w in want]}"
         assert delta["targets"] > 0

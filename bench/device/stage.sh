@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Stage a lent GPU host (Python 3.12, torch + CUDA, cmake, no package registry) over several
+# back-to-back calls, each carrying what fits in one transfer:
+#   - .devcarry/vllm-bundle/piece-NN (one per call; ../shared/tools/vllm-cuda-bundle/make.sh):
+#     copied to /tmp/w; once all pieces and unpack.sh are there, vLLM is unpacked into /tmp/site;
+#   - .devcarry/mini/*.whl (pip download --no-deps ... msgspec prometheus_client psutil safetensors
+#     pytest pluggy iniconfig packaging pygments fastapi starlette uvicorn pydantic pydantic-core anyio
+#     sniffio h11 click typing_extensions typing-inspection annotated-types idna): installed into
+#     /tmp/site once, only the packages the host's Python lacks;
+#   - afore's C++ extensions: built once with cmake (bench/device/build_afore.sh), plus a dist-info
+#     so that vLLM finds the plugin's entry point.
+#   source bench/device/stage.sh      # then PYTHONPATH=/tmp/site:$PWD is exported
+mkdir -p /tmp/w /tmp/site
+cp .devcarry/vllm-bundle/piece-* /tmp/w/ 2>/dev/null
+if [ ! -f /tmp/site/.mini ] && ls .devcarry/mini/*.whl > /dev/null 2>&1; then
+  need=""
+  for whl in .devcarry/mini/*.whl; do
+    mod=$(basename "$whl" | cut -d- -f1 | tr '[:upper:]' '[:lower:]')
+    case "$mod" in pydantic_core) imp=pydantic_core ;; typing_extensions) imp=typing_extensions ;; *) imp=$mod ;; esac
+    python3 -c "import $imp" 2>/dev/null || need="$need $whl"
+  done
+  [ -z "$need" ] || python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site $need 2>&1 | grep -v WARNING | tail -3
+  touch /tmp/site/.mini
+fi
+if [ ! -d /tmp/site/vllm ] && [ -f .devcarry/vllm-bundle/unpack.sh ]; then
+  n=$(ls /tmp/w/piece-* 2>/dev/null | wc -l)
+  if [ "$n" -ge "$(wc -l < .devcarry/vllm-bundle/SHA256SUMS)" ]; then
+    bash .devcarry/vllm-bundle/unpack.sh /tmp/w && rm -f /tmp/w/piece-*
+  else
+    echo "vLLM bundle: $n pieces in /tmp/w so far"
+  fi
+fi
+export PYTHONPATH=/tmp/site:$PWD
+source bench/device/build_afore.sh || return 1 2>/dev/null || exit 1
+d=/tmp/site/afore-0.1.0.dist-info
+if [ ! -d $d ]; then
+  mkdir -p $d
+  printf 'Metadata-Version: 2.1\nName: afore\nVersion: 0.1.0\n' > $d/METADATA
+  printf '[vllm.general_plugins]\nafore = afore.attention.plugin:register\n\n[console_scripts]\nafore = afore.cli:main\n' > $d/entry_points.txt
+fi
