@@ -126,6 +126,8 @@ class FFNWorker:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda": the current device (torch.cuda.set_device needs an index)
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         else:
             # CPU workers share the cores with each other and with vLLM: an intra-op pool per worker

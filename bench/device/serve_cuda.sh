@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # `afore bench serve` on one H200: plain vLLM 0.26 against `afore serve --device cuda --attn-workers 1
-# --ffn-workers 2 --colocate --transport torch-gloo`, both with CUDA graphs (vLLM's default;
-# afore: piecewise), bf16, on a random-weight checkpoint at Qwen3-30B-A3B's expert and attention
-# shapes (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of 768, top-8) with the first
-# $LAYERS of its 48 layers and a small trained tokenizer, built here. Colocated AFD on one GPU
-# measures afore's overhead (exchanges staged through the host, the FFN on the same GPU), not
-# AFD's benefit. Needs vLLM in /tmp/site and afore built (bench/device/gpu_tests.sh does both)
-# and the request sets in .devcarry/bench-data (gsm8k.jsonl; sharegpt_head.json = the first 8 MB
-# of the packaged ShareGPT JSON; the loader stops at the cut).
-#   LAYERS=4 PROMPTS=64 bash bench/device/serve_cuda.sh       # reports under $OUT
+# --ffn-workers 2 --colocate`, once per transport (shm: the one-node data plane; torch-gloo: staged
+# through gloo), all with CUDA graphs (vLLM's default; afore: piecewise), bf16, on a random-weight
+# checkpoint at Qwen3-30B-A3B's expert and attention shapes (hidden 2048, 32 query / 4 KV heads of
+# 128, 128 experts of 768, top-8) with the first $LAYERS of its 48 layers and a small trained
+# tokenizer, built here. Colocated AFD on one GPU measures afore's overhead (exchanges staged
+# through the host, the FFN on the same GPU), not AFD's benefit. Every afore process writes its
+# per-target stage stamps (AFORE_STAGE_TRACE); the per-stage medians of a decode target go to
+# $OUT/serve_cuda_stages.{json,md}. The three servers run side by side with a fixed KV cache each
+# (started together, vLLM's memory profiling of one would see the others' allocations).
+# Needs bench/device/stage.sh's staging (vLLM unpacked) and the request sets in
+# .devcarry/bench-data (gsm8k.jsonl; sharegpt_head.json = the first 8 MB of the packaged ShareGPT
+# JSON; the loader stops at the cut).
+#   LAYERS=4 PROMPTS=48 bash bench/device/serve_cuda.sh       # $OUT/serve_cuda.tgz + the reports
 set -uo pipefail
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/serve-out}; mkdir -p "$OUT"
-LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-64}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LAYERS
+source bench/device/stage.sh || exit 1
+# everything goes under $OUT/serve, packed into $OUT/serve_cuda.tgz at the end (the device tool
+# brings back at most 8 files); the three markdown reports are also copied to $OUT
+FINAL=$OUT; OUT=$OUT/serve; mkdir -p "$OUT"
+LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-48}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LAYERS
+TRANSPORTS=${TRANSPORTS:-shm torch-gloo}
 t0=$(date +%s)
-python3 - "$MODEL" "$LAYERS" <<'PY'
+[ -f "$MODEL/config.json" ] || python3 - "$MODEL" "$LAYERS" <<'PY'
 import sys
 from afore.models.tiny import build_tiny_checkpoint
 # Qwen3-30B-A3B: hidden 2048, 32 heads x 128 (4 KV), 128 experts x 768, top-8, 48 layers
@@ -22,31 +31,65 @@ print(build_tiny_checkpoint("qwen3_moe", path=sys.argv[1], hidden_size=2048, num
                             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                             moe_intermediate_size=768, num_hidden_layers=int(sys.argv[2]), initializer_range=0.02))
 PY
-echo "checkpoint built in $(( $(date +%s) - t0 )) s"
+echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 common=(--dtype bfloat16 --max-model-len 2048 --seed 0)
-python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port 8100 "${common[@]}" \
-  --gpu-memory-utilization 0.3 > "$OUT/plain-vllm.log" 2>&1 &
-plain=$!
-python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 --ffn-workers 2 --colocate \
-  --transport torch-gloo --policy afore --host 127.0.0.1 --port 8000 --verbose "${common[@]}" \
-  --vllm-arg=--gpu-memory-utilization=0.3 > "$OUT/afore-serve.log" 2>&1 &
-afore=$!
-for url in http://127.0.0.1:8100 http://127.0.0.1:8000; do
+memory=(--gpu-memory-utilization 0.2 --kv-cache-memory-bytes $((4 << 30)))
+python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port 8100 "${common[@]}" "${memory[@]}" \
+  > "$OUT/plain-vllm.log" 2>&1 &
+pids=($!); servers="vllm=http://127.0.0.1:8100"; port=8000
+for t in $TRANSPORTS; do
+  rm -f /tmp/stages-$t.*
+  AFORE_STAGE_TRACE=/tmp/stages-$t python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 \
+    --ffn-workers 2 --colocate --transport $t --policy afore --host 127.0.0.1 --port $port --verbose "${common[@]}" \
+    "${memory[@]/#/--vllm-arg=}" > "$OUT/afore-$t.log" 2>&1 &
+  pids+=($!); servers="$servers,afore-$t=http://127.0.0.1:$port"; port=$((port + 10))
+done
+for url in ${servers//,/ }; do
   python3 -c "import sys, time, urllib.request
-for _ in range(300):
+for _ in range(400):
     try:
         urllib.request.urlopen(sys.argv[1] + '/health', timeout=2); break
-    except OSError: time.sleep(1)" "$url"
+    except OSError: time.sleep(1)" "${url#*=}"
 done
 echo "servers up after $(( $(date +%s) - t0 )) s"
-note="1 x NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, bf16, CUDA graphs. Random weights at Qwen3-30B-A3B shapes, first $LAYERS of 48 layers. afore: A=1, F=2 colocated on the same GPU, torch-gloo transport (CUDA tensors staged through the host), policy afore: this measures afore's overhead against plain vLLM on one GPU, not AFD's benefit."
+note="1 x NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, bf16, CUDA graphs. Random weights at Qwen3-30B-A3B shapes, first $LAYERS of 48 layers. afore: A=1, F=2 colocated on the same GPU, policy afore, one server per transport (shm, torch-gloo; CUDA tensors staged through the host in both): this measures afore's overhead against plain vLLM on one GPU, not AFD's benefit."
+# a sampling profile (py-spy, carried in .devcarry/mini) of every process of the first afore
+# server during the first 40 s of the benchmarks (plain vLLM runs first, for a few seconds)
+spy=/tmp/site/bin/py-spy
+if [ -x $spy ]; then
+  for p in $(pgrep -P "${pids[1]}") ${pids[1]}; do
+    $spy record --idle --nonblocking --format raw --rate 200 --duration 40 --pid $p -o "$OUT/pyspy-$p.txt" \
+      > "$OUT/pyspy-$p.log" 2>&1 &
+  done
+  for p in $(pgrep -P "${pids[1]}"); do pgrep -P $p | while read -r q; do
+    $spy record --idle --nonblocking --format raw --rate 200 --duration 40 --pid $q -o "$OUT/pyspy-$q.txt" > /dev/null 2>&1 &
+  done; done
+  ps -o pid,ppid,args --forest -g "$(ps -o sid= -p "${pids[1]}" | tr -d ' ')" > "$OUT/pyspy-processes.txt" 2>&1
+fi
 rc=0
 for ds in gsm8k sharegpt; do
   path=.devcarry/bench-data/$([ $ds = gsm8k ] && echo gsm8k.jsonl || echo sharegpt_head.json)
-  python3 -m afore.cli bench serve --servers vllm=http://127.0.0.1:8100,afore=http://127.0.0.1:8000 \
-    --dataset $ds --dataset-path "$path" --num-prompts "$PROMPTS" --concurrency 8 --max-tokens 128 \
-    --name serve_cuda_$ds --out "$OUT" --note "$note" || rc=1
+  python3 -m afore.cli bench serve --servers "$servers" --dataset $ds --dataset-path "$path" --num-prompts "$PROMPTS" \
+    --concurrency 8 --max-tokens 128 --name serve_cuda_$ds --out "$OUT" --note "$note" || rc=1
 done
-kill -TERM $afore $plain; wait $afore $plain
+kill -TERM "${pids[@]}"; wait "${pids[@]}"
+python3 - "$OUT" "$LAYERS" $TRANSPORTS <<'PY'
+import json, sys
+from pathlib import Path
+from afore.bench.dataplane.transport import stage_breakdown
+out, layers = Path(sys.argv[1]), int(sys.argv[2])
+result, lines = {}, ["# Stage breakdown of a decode target, afore serve on one H200 (medians, us)", ""]
+for t in sys.argv[3:]:
+    # the CUDA default: two microbatches per MoE call; decode targets hold at most 8 tokens here
+    result[t] = stage_breakdown(Path(f"/tmp/stages-{t}"), num_layers=layers, microbatches=2, max_tokens=8)
+    lines += [f"## transport {t}: {result[t].get('targets', 0)} decode targets", "", "| stage | median us | mean us | n |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['median_us']:.0f} | {v['mean_us']:.0f} | {v['n']} |" for k, v in result[t].get("stages", {}).items()]
+    lines.append("")
+(out / "serve_cuda_stages.json").write_text(json.dumps(result, indent=1))
+(out / "serve_cuda_stages.md").write_text("\n".join(lines))
+print("\n".join(lines))
+PY
+cp "$OUT"/serve_cuda_gsm8k.md "$OUT"/serve_cuda_sharegpt.md "$OUT"/serve_cuda_stages.md "$FINAL"/ 2>/dev/null
+tar -czf "$FINAL/serve_cuda.tgz" -C "$OUT" . && rm -rf "$OUT"
 echo "done after $(( $(date +%s) - t0 )) s, rc $rc"
 exit $rc

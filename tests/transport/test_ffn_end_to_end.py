@@ -8,6 +8,7 @@ the planless target runs primary-only and is counted (invariant 5), SIGTERM exit
 import os
 import socket
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -105,13 +106,15 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
     errors, conns = [], []
     # GPU workers capture (and tune) a CUDA graph per token bucket before they attach
     start_s = 600 if device == "cuda" else 60
-    connected = threading.Barrier(num_attention + 1, timeout=start_s + 60)
+    ready, go = threading.Semaphore(0), threading.Event()
 
     def attention(a):
         try:
             conn = ShmAttentionEnd(segment, layout, a, device, timeout_s=start_s) if segment else AttentionConnector(cfg, a)
             conns.append(conn)
-            connected.wait()  # the FFN workers attached to the ring before the rendezvous
+            ready.release()  # the FFN workers attached to the ring before the rendezvous
+            if not go.wait(start_s + 60):
+                raise TimeoutError("the test did not start the targets")
             # two targets in flight: send t+1 before receiving t
             pending = []
             for seq, target in enumerate(targets):
@@ -124,13 +127,22 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=attention, args=(a,)) for a in range(num_attention)]
+    threads = [threading.Thread(target=attention, args=(a,), daemon=True) for a in range(num_attention)]
     try:
         for t in threads:
             t.start()
-        connected.wait()
+        # every attention end connected; a worker that exits first fails the test now, with its code
+        deadline, connected = time.monotonic() + start_s + 60, 0
+        while connected < num_attention:
+            if ready.acquire(timeout=0.5):
+                connected += 1
+                continue
+            dead = {p.name: p.exitcode for p in workers if p.exitcode is not None}
+            assert not dead and not errors, f"before the rendezvous: workers exited {dead}, errors {errors}"
+            assert time.monotonic() < deadline, "the attention ends did not connect in time"
         for seq in sorted(plans):
             ring.publish(plans[seq])
+        go.set()
         for t in threads:
             t.join(timeout=start_s + 120)
         assert not errors, errors
