@@ -112,7 +112,8 @@ class ShmLink:
         from afore.transport.shm import ShmAttentionEnd, ShmLayout
 
         layout = ShmLayout(num_attention=cfg.attn_workers, num_ffn=cfg.ffn_workers, hidden=cfg.hidden,
-                           top_k=cfg.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth)
+                           top_k=cfg.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth,
+                           exact=cfg.exact)
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
         self.end = ShmAttentionEnd(cfg.shm_segment, layout, worker, device, timeout_s=cfg.exchange_timeout_s)
         self._pending: dict[int, object] = {}

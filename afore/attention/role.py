@@ -55,6 +55,7 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     shm_segment: str = ""         # the shm transport's segment (afore.transport.shm); "" = torch.distributed
     max_tokens: int = 0           # shm: tokens per target the segment holds (vLLM's max_num_batched_tokens)
     depth: int = 2                # shm: targets in flight per attention worker (>= microbatches)
+    exact: bool = False           # shm: replies per token-expert pair, summed as vLLM sums them (afore.ffn.exact)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:

@@ -176,6 +176,38 @@ class FFNLayer:
             raise ValueError(f"hidden: expected rows of {self.pool.hidden}, got {rows.shape[1]}")
         return tokens, rows
 
+    def forward_pairs(self, rows_for, topk_ids: torch.Tensor, topk_weights: torch.Tensor, plan: Plan,
+                      splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's token-expert pairs of ``plan`` (eq. 11) computed with vLLM's numerics
+        (``afore.ffn.exact``): (pair indices int64 [P] ascending, t * k + j over the gathered
+        tokens; rows [P, H], each weight x expert(token) rounded as vLLM rounds it). ``splits``:
+        tokens per attention worker; each sender's tokens run as one call, as its own vLLM would
+        run them (the kernel configuration depends on the token count). ``rows_for(tokens)``
+        gives a hidden tensor whose rows ``tokens`` hold the inputs (``Microbatch.rows_for``)."""
+        from afore.ffn.exact import pair_rows
+
+        self.check_inputs(torch.empty(topk_ids.shape[0], self.pool.hidden, device=topk_ids.device), topk_ids, topk_weights)
+        device, k = self.pool.device, topk_ids.shape[1]
+        n = topk_ids.shape[0]
+        if sum(splits) != n:
+            raise ValueError(f"splits: expected tokens per attention worker summing to {n}, got {splits}")
+        flat_ids = topk_ids.reshape(-1).long()
+        mine = worker_mask(topk_ids, torch.from_numpy(plan.assignment).to(device), self._owner, self.pool.worker)
+        slot_of_expert = torch.from_numpy(plan.slot[:, self.pool.worker].astype(np.int64)).to(device)
+        pair_slot = torch.where(mine, slot_of_expert[flat_ids.clamp(0, self.pool.shape.num_experts - 1)], -1)
+        pairs = mine.nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            return pairs, torch.zeros(0, self.pool.hidden, dtype=self.pool.dtype, device=device)
+        hidden = rows_for(torch.unique(pairs // k)).to(self.pool.dtype)
+        rows, lo = [], 0
+        for m in splits:
+            if m:
+                rows.append(pair_rows(hidden[lo:lo + m], pair_slot[lo * k:(lo + m) * k].view(m, k),
+                                      topk_weights[lo:lo + m], self.pool.w13, self.pool.w2,
+                                      self.pool.shape.num_experts).view(m * k, -1))
+            lo += m
+        return pairs, torch.cat(rows).index_select(0, pairs)
+
     def _loop_forward(self, hidden, topk_ids, topk_weights, plan, worker):
         """The reference: eq. 11 mask + per-slot matmuls (reads counts back to the host)."""
         device = self.pool.device

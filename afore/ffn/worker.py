@@ -87,6 +87,7 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     depth: int = 2                    # targets queued ahead at the transport (>= 2)
     shm_segment: str = ""             # the shm transport's segment (afore.transport.shm); "" = torch.distributed
     max_tokens: int = 0               # shm: tokens per target and attention worker the segment holds
+    exact: bool = False               # shm: vLLM's MoE numerics, a reply row per pair (afore.ffn.exact)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ffn:
@@ -105,6 +106,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
         if self.shm_segment and self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1 with shm_segment, got {self.max_tokens}")
+        if self.exact and not self.shm_segment:
+            raise ValueError("exact: needs the shm transport (shm_segment), whose replies carry a row per pair")
 
 
 def check_shape_fits(shape: ClusterShape, spec, num_ffn: int) -> None:
@@ -210,7 +213,8 @@ class FFNWorker:
         from afore.transport.shm import ShmFFNEnd, ShmLayout
 
         layout = ShmLayout(num_attention=cfg.num_attention, num_ffn=cfg.num_ffn, hidden=self.spec.hidden_size,
-                           top_k=self.spec.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth)
+                           top_k=self.spec.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth,
+                           exact=cfg.exact)
         return ShmFFNEnd(cfg.shm_segment, layout, cfg.rank, self.device, timeout_s=cfg.timeout_s)
 
     def _peer_store(self):
@@ -351,7 +355,9 @@ class FFNWorker:
         """This worker's share of ``mb`` under ``plan`` (its copies waited for, its slots fenced after)."""
         if not plan.primary_only:
             self.migrator.commit(plan)
-        if mb.hidden is not None:  # the transport delivered every row (torch): reply densely
+        if self.cfg.exact:  # a row per pair of this worker, as vLLM computes it (afore.ffn.exact)
+            reply = ReplyRows(*layer.forward_pairs(mb.rows_for, mb.topk_ids, mb.topk_weights, plan, mb.splits))
+        elif mb.hidden is not None:  # the transport delivered every row (torch): reply densely
             partial = layer.forward(mb.hidden, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
             reply = ReplyRows.dense(partial)
         elif layer.sparse_on_host:  # sparse on a CPU pool: the bookkeeping in numpy, one pass

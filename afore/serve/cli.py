@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch-nccl (one GPU per worker, across nodes), torch-gloo (CPU hosts, or CUDA tensors staged "
                              "through the host); auto = shm on a one-node CPU layout, else NCCL on CUDA (gloo where workers "
                              "share a GPU), gloo on CPU across nodes")
+    parser.add_argument("--exact", action="store_true",
+                        help="bitwise plain vLLM's MoE numerics: FFN workers run vLLM's fused-MoE kernels on their pairs and "
+                             "return a row per token-expert pair, summed by the attention worker as vLLM sums them "
+                             "(needs --transport shm and one microbatch; F2A carries top_k rows per token; docs/serving.md)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len: longest prompt + output, tokens")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0,
                         help="vLLM --max-num-batched-tokens, also the tokens per target the shm transport holds (0 = --max-model-len)")
@@ -90,13 +94,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     store_port = args.store_port if args.store_port is not None else (0 if args.role == "all" else SPLIT_STORE_PORT)
     return ServeOptions(model=args.model, attn_workers=args.attn_workers, ffn_workers=args.ffn_workers,
                         policy=args.policy, device=args.device, host=args.host, port=args.port,
-                        admin_port=args.admin_port, microbatches=default_microbatches(args.device) if args.microbatches is None else args.microbatches,
+                        admin_port=args.admin_port, microbatches=(1 if args.exact else default_microbatches(args.device)) if args.microbatches is None else args.microbatches,
                         redundant_slots=args.redundant_slots, copy_budget=args.copy_budget, copy_rate_gbps=args.copy_rate_gbps,
                         role=args.role, ffn_host=args.ffn_host, demand_port=args.demand_port, store_port=store_port,
                         colocate=args.colocate, transport=args.transport, max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
-                        primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration)
+                        primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration,
+                        exact=args.exact)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -111,6 +111,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     primaries: str = "contiguous"   # PRIMARY_LAYOUTS: contiguous blocks, or co-clustered from primaries_file
     primaries_file: str = ""        # layout JSON (afore profile affinity --layout-out) or affinity profile (.npz)
     calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
+    exact: bool = False             # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -138,6 +139,11 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"port: expected in [1, 65535], got {self.port}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches: expected >= 1, got {self.microbatches}")
+        if self.exact and not uses_shm(self):
+            raise ValueError(f"exact: --exact needs --transport shm (a row per token-expert pair back), got --transport {self.transport}")
+        if self.exact and self.microbatches != 1:
+            raise ValueError(f"exact: --exact needs one microbatch (vLLM picks its kernels by the call's token count), "
+                             f"got --microbatches {self.microbatches}")
         if self.redundant_slots < 0:
             raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
         if self.copy_budget < 0:
@@ -490,7 +496,8 @@ class Launcher:
         {} with torch.distributed. The primary layout travels in the shape."""
         if not self.data_name:
             return {}
-        return {"shm_segment": self.data_name, "max_tokens": batched_tokens(self.opts), "depth": self.depth}
+        return {"shm_segment": self.data_name, "max_tokens": batched_tokens(self.opts), "depth": self.depth,
+                "exact": self.opts.exact}
 
     def server_command(self) -> list[str]:
         opts = self.opts
@@ -521,7 +528,7 @@ class Launcher:
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
                                    shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
-                                   depth=self.depth)
+                                   depth=self.depth, exact=self.opts.exact)
         env = {**self.child_env(), **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
@@ -762,7 +769,7 @@ class Launcher:
         assert self.spec is not None
         layout = ShmLayout(num_attention=self.opts.attn_workers, num_ffn=self.opts.ffn_workers,
                            hidden=self.spec.hidden_size, top_k=self.spec.top_k, max_tokens=batched_tokens(self.opts),
-                           dtype=self.dtype, depth=self.depth)
+                           dtype=self.dtype, depth=self.depth, exact=self.opts.exact)
         self.data_plane = ShmSegment.create(self.data_name, layout)
         if self.opts.device == "cuda" and self.store is None:
             from afore.transport.connector import host_store

@@ -96,6 +96,9 @@ class ShmLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int
     dtype: str = "float32"
     depth: int = 4
+    # replies carry a row per token-expert pair (k per token), summed by the attention side as
+    # vLLM sums them (``afore serve --exact``, afore.ffn.exact); else a partial sum per token
+    exact: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_attention", "num_ffn", "hidden", "top_k", "max_tokens"):
@@ -128,8 +131,13 @@ class ShmLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         t = self.max_tokens
         return -(-(t * self.hidden * es + t * self.top_k * 8) // _ALIGN) * _ALIGN
 
+    @property
+    def reply_rows(self) -> int:
+        """Rows of one reply slot: a row per token, or per token-expert pair when ``exact``."""
+        return self.max_tokens * (self.top_k if self.exact else 1)
+
     def rep_slot_bytes(self, es: int) -> int:
-        t = self.max_tokens
+        t = self.reply_rows
         return -(-(t * self.hidden * es + t * 4) // _ALIGN) * _ALIGN
 
 
@@ -226,7 +234,7 @@ class ShmSegment:
     def _rep_views(self, f: int, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout
         es = torch.empty(0, dtype=lay.torch_dtype).element_size()
-        t, h = lay.max_tokens, lay.hidden
+        t, h = lay.reply_rows, lay.hidden
         base = self.off["rep_data"] + ((f * lay.num_attention + a) * lay.depth + d) * lay.rep_slot_bytes(es)
         return self.tensor(base, lay.torch_dtype, (t, h)), self.tensor(base + t * h * es, torch.int32, (t,))
 
@@ -360,7 +368,9 @@ class ShmAttentionEnd:
         self._inflight.pop(0)
         lay, seg = self.layout, self.seg
         d = sent.counter % lay.depth
-        out = torch.zeros(sent.num_tokens, lay.hidden, dtype=torch.float32)
+        k = lay.top_k if lay.exact else 1
+        # exact: every pair's row, summed below as vLLM sums them; else partial sums per token
+        out = torch.zeros(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
         deadline = time.monotonic() + self.timeout_s
         for f in range(lay.num_ffn):
             index = (f * lay.num_attention + self.rank) * lay.depth + d
@@ -374,8 +384,15 @@ class ShmAttentionEnd:
             rows = int(head[5])
             if rows:
                 data, token = seg.rep_views(f, self.rank, d)
-                out.index_add_(0, token[:rows].long(), data[:rows].float())
+                if lay.exact:
+                    out[token[:rows].long()] = data[:rows]
+                else:
+                    out.index_add_(0, token[:rows].long(), data[:rows].float())
                 self.bytes_received += rows * (lay.hidden * data.element_size() + 4)
+        if lay.exact:
+            from afore.ffn.exact import pair_sum
+
+            return pair_sum(out.to(self.device).view(sent.num_tokens, k, lay.hidden))
         return out.to(device=self.device, dtype=lay.torch_dtype)
 
     def exchange(self, target: Target, seq: int, hidden, topk_ids, topk_weights) -> torch.Tensor:
@@ -507,12 +524,13 @@ class ShmFFNEnd:
     def send(self, mb: Microbatch, partial: ReplyRows) -> None:
         """Reply to every attention worker with this worker's partial sums of its tokens (an empty
         reply where it computed none of them): ``partial.rows [U, H]`` for gathered token indices
-        ``partial.tokens int64 [U]`` (ascending)."""
+        ``partial.tokens int64 [U]`` (ascending). ``exact`` layouts: a row per pair, ``tokens``
+        holding gathered pair indices t * k + j (``FFNLayer.forward_pairs``)."""
         lay, seg = self.layout, self.seg
         d = mb.counter % lay.depth
         tokens = partial.tokens.to("cpu")
         rows = partial.rows.to(device="cpu", dtype=lay.torch_dtype)
-        bounds = torch.tensor([0] + list(np.cumsum(mb.splits)), dtype=torch.int64)
+        bounds = torch.tensor([0] + list(np.cumsum(mb.splits)), dtype=torch.int64) * (lay.top_k if lay.exact else 1)
         cut = torch.searchsorted(tokens, bounds).tolist()
         for a in range(lay.num_attention):
             lo, hi = cut[a], cut[a + 1]

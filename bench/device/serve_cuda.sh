@@ -21,7 +21,10 @@ source bench/device/stage.sh || exit 1
 # brings back at most 8 files); the three markdown reports are also copied to $OUT
 FINAL=$OUT; OUT=$OUT/serve; mkdir -p "$OUT"
 LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-48}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LAYERS
-TRANSPORTS=${TRANSPORTS:-shm torch-gloo}
+# one afore server per variant: a transport, "+exact" for --exact, "+nopace" for copies at full rate (no pacing kernels
+# on the FFN workers' side streams: with several processes on one GPU, a kernel of one process
+# waits for another's time slice)
+VARIANTS=${VARIANTS:-shm torch-gloo torch-gloo+nopace}
 t0=$(date +%s)
 [ -f "$MODEL/config.json" ] || python3 - "$MODEL" "$LAYERS" <<'PY'
 import sys
@@ -37,12 +40,13 @@ memory=(--gpu-memory-utilization 0.2 --kv-cache-memory-bytes $((4 << 30)))
 python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port 8100 "${common[@]}" "${memory[@]}" \
   > "$OUT/plain-vllm.log" 2>&1 &
 pids=($!); servers="vllm=http://127.0.0.1:8100"; port=8000
-for t in $TRANSPORTS; do
-  rm -f /tmp/stages-$t.*
-  AFORE_STAGE_TRACE=/tmp/stages-$t python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 \
-    --ffn-workers 2 --colocate --transport $t --policy afore --host 127.0.0.1 --port $port --verbose "${common[@]}" \
-    "${memory[@]/#/--vllm-arg=}" > "$OUT/afore-$t.log" 2>&1 &
-  pids+=($!); servers="$servers,afore-$t=http://127.0.0.1:$port"; port=$((port + 10))
+for v in $VARIANTS; do
+  t=${v%%+*}; extra=(); [ "$v" = "${v%+nopace}" ] || extra=(--copy-rate-gbps 0); [ "$v" = "${v%+exact}" ] || extra+=(--exact)
+  rm -f /tmp/stages-$v.*
+  AFORE_STAGE_TRACE=/tmp/stages-$v python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 \
+    --ffn-workers 2 --colocate --transport $t "${extra[@]}" --policy afore --host 127.0.0.1 --port $port --verbose \
+    "${common[@]}" "${memory[@]/#/--vllm-arg=}" > "$OUT/afore-$v.log" 2>&1 &
+  pids+=($!); servers="$servers,afore-$v=http://127.0.0.1:$port"; port=$((port + 10))
 done
 for url in ${servers//,/ }; do
   python3 -c "import sys, time, urllib.request
@@ -73,7 +77,7 @@ for ds in gsm8k sharegpt; do
     --concurrency 8 --max-tokens 128 --name serve_cuda_$ds --out "$OUT" --note "$note" || rc=1
 done
 kill -TERM "${pids[@]}"; wait "${pids[@]}"
-python3 - "$OUT" "$LAYERS" $TRANSPORTS <<'PY'
+python3 - "$OUT" "$LAYERS" $VARIANTS <<'PY'
 import json, sys
 from pathlib import Path
 from afore.bench.dataplane.transport import stage_breakdown
@@ -82,7 +86,7 @@ result, lines = {}, ["# Stage breakdown of a decode target, afore serve on one H
 for t in sys.argv[3:]:
     # the CUDA default: two microbatches per MoE call; decode targets hold at most 8 tokens here
     result[t] = stage_breakdown(Path(f"/tmp/stages-{t}"), num_layers=layers, microbatches=2, max_tokens=8)
-    lines += [f"## transport {t}: {result[t].get('targets', 0)} decode targets", "", "| stage | median us | mean us | n |", "|---|---|---|---|"]
+    lines += [f"## afore-{t}: {result[t].get('targets', 0)} decode targets", "", "| stage | median us | mean us | n |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['median_us']:.0f} | {v['mean_us']:.0f} | {v['n']} |" for k, v in result[t].get("stages", {}).items()]
     lines.append("")
 (out / "serve_cuda_stages.json").write_text(json.dumps(result, indent=1))

@@ -12,7 +12,7 @@ Then a killed FFN worker: the request fails fast, /health turns non-200, afore s
 non-zero within 10 s; after SIGTERM no process is left and the GPU memory is released.
 
 Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (eager,graphs),
-GPU_TRANSPORTS (shm,torch-gloo).
+GPU_TRANSPORTS (shm+exact,shm; also torch-gloo; "+exact" adds ``--exact``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ARCHS = os.environ.get("GPU_ARCHS", "qwen3_moe").split(",")
 DTYPES = os.environ.get("GPU_DTYPES", "bfloat16,float32").split(",")
 MODES = os.environ.get("GPU_MODES", "eager,graphs").split(",")
-TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "shm,torch-gloo").split(",")
+# a transport, "+exact" for ``--exact`` (vLLM's MoE numerics: bf16 token identity needs it)
+TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "shm+exact,shm").split(",")
 POLICIES = ("static", "eplb", "afore")
 RESULTS = os.environ.get("GPU_RESULTS", "")  # JSON lines of every comparison, for the report
 # each server gets a small fixed KV cache, so that all of them fit on one GPU at once
@@ -84,7 +85,8 @@ class AforeCuda(StartedServer):
     def __init__(self, model: str, dtype: str, mode: str, transport: str, log_path: str):
         port = free_port_pair()
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
-               "--ffn-workers", "2", "--colocate", "--transport", transport, "--policy", "static", "--verbose",
+               "--ffn-workers", "2", "--colocate", "--transport", transport.split("+")[0], "--policy", "static", "--verbose",
+               *(["--exact"] if transport.endswith("+exact") else []),
                "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
                *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
         super().__init__(cmd, port, log_path)

@@ -87,3 +87,29 @@ def test_the_transport_listens_where_the_node_is_reached(monkeypatch, started):
             assert [env.get(name) for name in IFNAME_ENV] == [interface] * 2, (opts.role, opts.host)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # set by hand: kept
     assert launcher.child_env()["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_exact_needs_shm_and_one_microbatch_and_reaches_both_sides(monkeypatch, started):
+    """``--exact``: refused with a transport whose replies are per-token sums or with two
+    microbatches (vLLM picks its kernels by the call's token count); otherwise the FFN workers,
+    the attention side and the segment all get it."""
+    from afore.cli import build_parser
+    from afore.serve.cli import options_from_args
+
+    with pytest.raises(ValueError, match="exact: --exact needs --transport shm"):
+        ServeOptions(exact=True, transport="torch-gloo")
+    with pytest.raises(ValueError, match="exact: --exact needs one microbatch"):
+        ServeOptions(exact=True, transport="shm", microbatches=2)
+    assert options_from_args(build_parser().parse_args(["serve", "--exact", "--device", "cuda", "--transport", "shm"])).microbatches == 1
+    import afore.serve.launcher as launcher_mod
+
+    launcher = launcher_mod.Launcher(ServeOptions(exact=True, transport="shm", store_port=29600))
+    launcher.model = tiny("qwen3_moe")
+    launcher.spec, launcher.config = read_serving_spec(launcher.model)
+    launcher.backend = "gloo"
+    launcher.dtype = "float32"
+    launcher.start_ffn_workers()
+    launcher.start_server()
+    workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
+    assert len(workers) == 2 and all(w["exact"] and w["shm_segment"] for w in workers)
+    assert json.loads(started[-1][1][CONFIG_ENV])["exact"] is True

@@ -50,12 +50,27 @@ def metric(text: str, name: str, label: str = "") -> float:
     raise AssertionError(f"{name} {label} not in metrics")
 
 
-@pytest.mark.parametrize("transport,device", [("torch", "cpu"), ("shm", "cpu"),
-                                              # several FFN workers on one GPU: only the shm transport
-                                              # (NCCL refuses two ranks on one device); copies by CUDA IPC
-                                              pytest.param("shm", "cuda", marks=pytest.mark.gpu)])
+def exact_reference(hidden, ids, weights, w13, w2, device):
+    """What plain vLLM's MoE layer gives for these tokens: on CUDA its own fused_experts; on the CPU
+    the reference of afore.ffn.exact with every pair on one pool (slot = expert)."""
+    from afore.ffn.exact import _reference_pair_rows, pair_sum
+
+    if device == "cuda":
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+
+        return fused_experts(hidden.cuda(), w13.cuda(), w2.cuda(), weights.cuda(), ids.cuda()).cpu()
+    return pair_sum(_reference_pair_rows(hidden, ids.to(torch.int64), weights, w13, w2))
+
+
+@pytest.mark.parametrize("transport,device,exact", [("torch", "cpu", False), ("shm", "cpu", False), ("shm", "cpu", True),
+                                                    # several FFN workers on one GPU: only the shm transport
+                                                    # (NCCL refuses two ranks on one device); copies by CUDA IPC
+                                                    pytest.param("shm", "cuda", False, marks=pytest.mark.gpu),
+                                                    pytest.param("shm", "cuda", True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("num_attention,num_ffn", [(1, 2), (2, 3)])
-def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn, transport, device):
+def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, num_ffn, transport, device, exact):
+    """The sum over the FFN workers equals the dense layer (fp64 reference, 1e-5); with ``exact``
+    (a row per pair back, summed as vLLM sums them) it equals plain vLLM's layer bit for bit."""
     from afore.scheduler.plan_ring import PlanRing
 
     path, spec, weights = model
@@ -89,7 +104,7 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
     cfg = TransportConfig("127.0.0.1", port, num_attention, num_ffn, spec.hidden_size, spec.top_k, timeout_s=60)
     segment = f"afore-test-dp-{os.getpid()}-{num_ffn}" if transport == "shm" else ""
     layout = ShmLayout(num_attention=num_attention, num_ffn=num_ffn, hidden=spec.hidden_size, top_k=spec.top_k,
-                       max_tokens=32, depth=2)
+                       max_tokens=32, depth=2, exact=exact)
     seg = ShmSegment.create(segment, layout) if segment else None
     store = None
     if device == "cuda":  # the store afore serve hosts for the pools' CUDA IPC handles
@@ -100,7 +115,7 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
         FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=num_attention, model=path, port=port, m_tile=M_TILE,
                         device=device,
                         plan_ring=ring_name, plan_timeout_ms=200.0, metrics_port=metrics_port if r == 0 else 0,
-                        copy_delay_ms=2.0, timeout_s=60, shm_segment=segment, max_tokens=32)
+                        copy_delay_ms=2.0, timeout_s=60, shm_segment=segment, max_tokens=32, exact=exact)
         for r in range(num_ffn)])
     outputs = [[None] * len(targets) for _ in range(num_attention)]
     errors, conns = [], []
@@ -163,7 +178,9 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
             hidden, ids, tw = inputs[seq][a]
             out = outputs[a][seq].cpu()
             assert out.shape == hidden.shape
-            if hidden.shape[0]:
+            if hidden.shape[0] and exact:
+                assert torch.equal(out, exact_reference(hidden, ids, tw, w.w13, w.w2, device)), (seq, a)
+            elif hidden.shape[0]:
                 ref = dense_moe(hidden, ids, tw, w.w13, w.w2)
                 assert float((out.double() - ref).norm() / ref.norm()) <= 1e-5, (seq, a)
     assert metric(text, "afore_ffn_targets_total") == len(targets)
