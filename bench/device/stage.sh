@@ -10,6 +10,14 @@
 #   - afore's C++ extensions: built once with cmake (bench/device/build_afore.sh), plus a dist-info
 #     so that vLLM finds the plugin's entry point.
 #   source bench/device/stage.sh      # then PYTHONPATH=/tmp/site:$PWD is exported
+#
+# A session's calls, back to back (the machine goes back 30 s after a call; ~2 min to start):
+#   1. carry piece-00 + .devcarry/mini:  bash bench/device/ffn_e2e_cuda.sh       (no vLLM needed)
+#   2. carry piece-01:                   bash bench/device/ab_gpu.sh             (no vLLM needed)
+#   3. carry piece-02, unpack.sh, SHA256SUMS, BUNDLE_SHA256:  bash bench/device/gpu_tests.sh
+#   4. carry .devcarry/bench-data:       bash bench/device/serve_cuda.sh
+#   5.                                   bash bench/device/ffn_h200.sh
+# (2026-12-02: calls 1-5 and two extra serve runs took 1,657 s of the 1,800 s budget.)
 mkdir -p /tmp/w /tmp/site
 cp .devcarry/vllm-bundle/piece-* /tmp/w/ 2>/dev/null
 if [ ! -f /tmp/site/.mini ] && ls .devcarry/mini/*.whl > /dev/null 2>&1; then
