@@ -106,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-calibration", default=None,
                    help="stage calibration file (costs of demand, A2F/F2A, plan decode, agreement, scheduling, pacing; "
                         "written by --write-calibration); default: sim reads the committed H200 reports (transport_h200.json, "
-                        "scheduler.json, migration.json), cpu-runtime bench/results/stages_cpu.json")
+                        "scheduler.json, migration.json), cpu-runtime bench/results/stages_cpu.json; gpu: an earlier GPU run's "
+                        "<name>_stages.json, simulated as one more column")
     g.add_argument("--write-calibration", default=None, metavar="PATH",
                    help="cpu-runtime: measure the stage calibration (a serve run + microbenchmarks) and write it to PATH")
     g.add_argument("--reuse-run", action="store_true",

@@ -18,10 +18,20 @@ What runs (all of it afore's production code, nothing simulated on the measured 
   node's admin endpoint).
 
 Measured per policy: step time (driver timestamps), FFN stage, exposed copy wait (the FFN
-workers' event timestamps, afore_ffn_exposed_copy_wait_seconds, over the planned targets),
-copies and bytes, max/mean tile load (afore_ffn_tile_imbalance), plans used / missed. Simulated
-beside it: the same targets through ``pipeline_sim.simulate_runtime`` (serial) with the
-committed calibration, so the simulator is validated against the pool.
+workers' event timestamps, afore_ffn_exposed_copy_wait_seconds, judged over the worker-targets
+that had copies), copies and bytes, max/mean tile load (afore_ffn_tile_imbalance), plans used /
+missed; and per target, from the stage traces that every process writes (``AFORE_STAGE_TRACE``:
+the driver's rows in the attention plugin's columns, ``PATH.ffn<rank>.csv``,
+``PATH.scheduler.csv``; joined by ``ab_runtime.stage_table``): A2F latency, queue, plan wait and
+decode, compute span, vote, reply, the pool's reply send, F2A latency, demand -> plan.
+
+Simulated beside it, every column ``pipeline_sim.simulate_runtime`` in serial mode (what the
+driver and today's runtime do) with the driver's attention time as input, the grouped GEMM from
+the migration report's fit at each policy's tile loads, copies paced to 50 GB/s as the FFN node
+ran them: (a) the committed H200 reports' stage costs (a prior, unmeasured stages 0), (b) the
+stage costs of this run's own traces (``ab_runtime.stages_from_traces``, the CPU engine's
+calibration; written to ``<name>_stages.json``), (c) the same from static's window alone (eplb
+and afore predicted from it), (f) with ``--stage-calibration`` an earlier run's file.
 
 On one GPU the F workers are separate processes sharing it (``--colocate``, gloo staged
 through the host), stated in the report.
@@ -29,6 +39,7 @@ through the host), stated in the report.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -117,19 +128,27 @@ def ids_for_demand(demand: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
 
 
 def start_ffn_node(model: str, policy: str, num_ffn: int, device: str, ports: dict, token: str, log_path: Path,
-                   copy_budget: int, redundant_slots: int, microbatches: int, dtype: str) -> subprocess.Popen:
+                   copy_budget: int, redundant_slots: int, microbatches: int, dtype: str, trace: Path | None = None,
+                   copy_rate_gbps: float | None = None) -> subprocess.Popen:
+    """``afore serve --role ffn`` in its own process group; ``trace``: AFORE_STAGE_TRACE of its
+    processes (PATH.ffn<rank>.csv, PATH.scheduler.csv)."""
+    from afore.config import DEFAULT_COPY_RATE_GBPS
+
+    rate = DEFAULT_COPY_RATE_GBPS if copy_rate_gbps is None else copy_rate_gbps
     cmd = [sys.executable, "-m", "afore.cli", "serve", "--role", "ffn", "--host", "0.0.0.0", "--model", model, "--dtype", dtype,
            "--attn-workers", "1", "--ffn-workers", str(num_ffn), "--device", device, "--policy", policy,
            "--microbatches", str(microbatches),
            "--store-port", str(ports["store"]), "--demand-port", str(ports["demand"]), "--admin-port", str(ports["admin"]),
-           "--copy-budget", str(copy_budget), "--redundant-slots", str(redundant_slots)]
+           "--copy-budget", str(copy_budget), "--redundant-slots", str(redundant_slots), "--copy-rate-gbps", f"{rate:g}"]
     if device == "cpu" or _gpus() < num_ffn + 1:
         cmd += ["--colocate", "--transport", "torch-gloo"]
     log = open(log_path, "ab")
     log.write(f"\n$ {' '.join(cmd)}\n".encode())
     log.flush()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "AFORE_DEMAND_TOKEN": token})
+    env = {**os.environ, "AFORE_DEMAND_TOKEN": token}
+    if trace is not None:
+        env["AFORE_STAGE_TRACE"] = str(trace)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def _gpus() -> int:
@@ -152,10 +171,13 @@ def stop_ffn_node(node: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def drive_policy(conn, demand_client, counts: np.ndarray, hidden: int, top_k: int, attention_ms: float, device: str,
-                 dtype, seed: int, step0: int = 0) -> dict:
+                 dtype, seed: int, step0: int = 0, stage_trace=None) -> dict:
     """Replay counts[S, L, M, E] serially through the FFN pool as steps ``step0``, ``step0 + 1``, ...
     (targets keep one increasing sequence over the policies of a run); per-target driver
-    timestamps (ns)."""
+    timestamps (ns). Every target's inputs are built before the first step, so the timed loop
+    holds only what an attention worker does at a layer call (emit the demand, post the tokens,
+    wait for the replies). ``stage_trace`` (afore.metrics.trace.CsvTrace): each target's row of
+    the attention side's stage trace, the columns the vLLM plugin writes (afore.attention.stages)."""
     import torch
 
     from afore.plan import Target
@@ -165,43 +187,54 @@ def drive_policy(conn, demand_client, counts: np.ndarray, hidden: int, top_k: in
     gen = torch.Generator().manual_seed(seed)
     hidden_rows = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(device=device, dtype=dtype)
     weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
+    ids = [[[torch.from_numpy(ids_for_demand(counts[s, l, b], tokens, top_k)).to(device) for b in range(M)]
+            for l in range(L)] for s in range(S)]
+    row_bytes = tokens * hidden * hidden_rows.element_size()
     n = S * L * M
     stamps = np.zeros((n, 4), np.int64)  # demand sent, tokens sent, receive start, done
     layer_end = np.zeros(S * L, np.int64)
-    slept = np.zeros((S, L))  # the attention compute actually spent (ms): a sleep overshoots
+    spent = np.zeros((S, L))  # the attention side's time before each layer call (ms): the sleep and the loop
     step_end = np.zeros(S, np.int64)
     seq = step0 * L * M
+    prev_exit = time.perf_counter_ns()
+    step_start = prev_exit
     for s in range(S):
         for layer in range(L):
-            t0 = time.perf_counter_ns()
             time.sleep(attention_ms / 1e3)
-            slept[s, layer] = (time.perf_counter_ns() - t0) / 1e6
+            enter = time.perf_counter_ns()
+            spent[s, layer] = (enter - prev_exit) / 1e6
             handles = []
             for b in range(M):
                 t = Target(step0 + s, layer, b)
-                ids = torch.from_numpy(ids_for_demand(counts[s, layer, b], tokens, top_k)).to(device)
                 demand_client.put(t, 0, counts[s, layer, b])
                 i = (s * L + layer) * M + b
                 stamps[i, 0] = time.perf_counter_ns()
-                handles.append((i, conn.send(t, seq, hidden_rows, ids, weights)))
+                handles.append((i, conn.send(t, seq, hidden_rows, ids[s][layer][b], weights)))
                 stamps[i, 1] = time.perf_counter_ns()
                 seq += 1
             for i, h in handles:
                 stamps[i, 2] = time.perf_counter_ns()
                 conn.recv(h)
                 stamps[i, 3] = time.perf_counter_ns()
-            layer_end[s * L + layer] = time.perf_counter_ns()
-        step_end[s] = time.perf_counter_ns()
-    return {"stamps": stamps, "layer_end": layer_end, "step_end": step_end, "attention_ms": slept}
+            exit_ = time.perf_counter_ns()
+            if stage_trace is not None:
+                for b, (i, _) in enumerate(handles):
+                    stage_trace.add((step0 + s, layer, b, tokens, prev_exit, enter, *stamps[i], row_bytes, row_bytes))
+            layer_end[s * L + layer] = prev_exit = exit_
+        step_end[s] = prev_exit
+    return {"stamps": stamps, "layer_end": layer_end, "step_start": step_start, "step_end": step_end, "attention_ms": spent}
 
 
 def run_gpu(args) -> int:
     """``afore bench ab --engine gpu`` (see the module docstring)."""
     import torch
 
+    from afore.attention.stages import COLUMNS
     from afore.bench import ab
     from afore.bench.migration.worker import scrape_samples
     from afore.bench.report import write_report
+    from afore.config import DEFAULT_COPY_RATE_GBPS
+    from afore.metrics.trace import CsvTrace
     from afore.models.tiny import cache_dir
     from afore.ports import free_port
     from afore.prefetch.receiver import DemandClient
@@ -209,6 +242,10 @@ def run_gpu(args) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("afore bench ab --engine gpu: --device cuda but no GPU here (pass --device cpu for the CPU dry run)", file=sys.stderr)
+        return 2
+    if args.mode != "serial":
+        print(f"afore bench ab --engine gpu: --mode {args.mode}: the driver runs the runtime's serial data plane "
+              "(a layer's microbatches posted, then all replies awaited); only --mode serial models it", file=sys.stderr)
         return 2
     hidden, inter, experts, top_k = GPU_MODELS[args.gpu_model]
     policies = [p.strip() for p in (args.policies or "static,eplb,afore").split(",") if p.strip()]
@@ -219,20 +256,33 @@ def run_gpu(args) -> int:
     if not 0 <= warmup < steps:
         print(f"afore bench ab: warmup: expected in [0, steps={steps}), got {warmup}", file=sys.stderr)
         return 2
+    stage_file = None
+    if args.stage_calibration:
+        try:
+            stage_file = load_gpu_stage_calibration(args.stage_calibration, args.gpu_model)
+        except ValueError as exc:
+            print(f"afore bench ab: {exc}", file=sys.stderr)
+            return 2
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     folder = Path(args.checkpoint_dir) if args.checkpoint_dir else cache_dir() / f"experts-{args.gpu_model}-{layers}l-{dtype}"
     model = str(write_expert_checkpoint(folder, hidden, inter, experts, top_k, layers, dtype))
     counts = workload_counts(args, experts, top_k, layers, steps)
     out_dir = Path(args.out_dir) if args.out_dir else ab.RESULTS
-    log_path = out_dir / "tmp" / "ab_gpu_ffn_node.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    name = args.name or "ab_gpu"
+    work = out_dir / "tmp" / name
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "ffn_node.log"
+    trace = work / "stages"
+    for f in work.glob("stages.*.csv"):  # a trace is appended to: start from none
+        f.unlink()
     ports = {"store": free_port(), "demand": free_port(), "admin": free_port()}
     token = os.urandom(8).hex()
     budget = args.copy_budget if args.copy_budget is not None else args.ffn_workers
     node = start_ffn_node(model, policies[0], args.ffn_workers, args.device, ports, token, log_path, budget, args.redundant_slots,
-                          counts.shape[2], dtype)
+                          counts.shape[2], dtype, trace=trace, copy_rate_gbps=DEFAULT_COPY_RATE_GBPS)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    results, conn, client, attention_by_policy = {}, None, None, {}
+    results, conn, client, attention_by_policy, windows = {}, None, None, {}, {}
+    attention_trace = CsvTrace(f"{trace}.0.csv", COLUMNS)
     try:
         wait_for_ffn("127.0.0.1", ports["store"], args.ffn_workers, 900.0)
         colocated = args.device == "cpu" or _gpus() < args.ffn_workers + 1
@@ -251,38 +301,70 @@ def run_gpu(args) -> int:
             client = DemandClient("127.0.0.1", ports["demand"], token)
             before = scrape_samples(f"{admin}/metrics")
             run = drive_policy(conn, client, counts, hidden, top_k, attention_ms, attn_device, tdtype, args.seed,
-                               step0=index * counts.shape[0])
+                               step0=index * counts.shape[0], stage_trace=attention_trace)
             after = scrape_samples(f"{admin}/metrics")
             client.close()
             client = None
             results[policy] = summarise_driven(run, before, after, policy, counts.shape, warmup, attention_ms)
             attention_by_policy[policy] = run["attention_ms"]
+            # the steps after the warm-up: what the calibration and the comparison are about
+            windows[policy] = (int(run["step_end"][warmup - 1]) if warmup else int(run["step_start"]), int(run["step_end"][-1]))
     finally:
+        attention_trace.flush()
         if client is not None:
             client.close()
         if conn is not None:
             conn.close()
-        stop_ffn_node(node)
-    simulated, sim_note = simulate_side(args, counts, policies, args.ffn_workers, budget, attention_by_policy, warmup)
-    for policy, sim in simulated.items():
-        results[policy]["simulated"] = sim
-        me = results[policy]["measured"]["step_ms_mean"]
-        results[policy]["step_error"] = sim["step_ms_mean"] / me - 1 if me else None
-    data = {"engine": "gpu", "date_utc": started, "simulated_side": sim_note, "device": args.device, "gpus": _gpus(),
+        stop_ffn_node(node)  # the FFN workers and the scheduler flush their traces as they stop
+    cal, traces, report_costs, reports_note = simulation_inputs(args, counts, policies, budget)
+    calib = trace_calibration(trace, windows, counts.shape, policies, traces, cal, args.device, DEFAULT_COPY_RATE_GBPS,
+                              warmup, report_costs)
+    variants = {"simulated": (report_costs, 0.0), "simulated_traces": (calib.get("costs"), calib.get("compute_offset_ms")),
+                "simulated_static_traces": (calib.get("static_costs"), calib.get("static_compute_offset_ms"))}
+    if stage_file is not None:
+        variants["simulated_file"] = (stage_file["costs"], stage_file["compute_offset_ms"])
+    tokens = int(counts[0, 0, 0].sum()) // top_k
+    for key, (costs, offset) in variants.items():
+        if costs is None or cal is None:
+            continue
+        for policy in policies:
+            sim = simulate_policy_serial(traces[policy], cal, costs, offset, attention_by_policy[policy], counts.shape, policy,
+                                         warmup, tokens)
+            results[policy][key] = sim
+            me = results[policy]["measured"]["step_ms_mean"]
+            results[policy]["step_error" + key[len("simulated"):]] = sim["step_ms_mean"] / me - 1 if me else None
+    for policy in policies:
+        results[policy]["measured"]["stage_means_ms"] = calib.get("stage_means", {}).get(policy, {})
+    calib_file = None
+    if calib.get("costs") is not None:
+        calib_file = out_dir / f"{name}_stages.json"
+        calib_file.write_text(json.dumps(stage_calibration_doc(calib, args, started, data_model(args, model, dtype)),
+                                         indent=1, default=float) + "\n")
+    layout = f"{args.ffn_workers} FFN worker processes" + (" sharing one device (gloo staged through the host)"
+                                                           if args.device == "cpu" or _gpus() < args.ffn_workers + 1 else
+                                                           " on distinct GPUs (NCCL)")
+    data = {"engine": "gpu", "date_utc": started, "simulated_side": reports_note, "device": args.device, "gpus": _gpus(),
             "hardware": {"machine": platform.machine(), "cpus": os.cpu_count(),
                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-            "layout": f"{args.ffn_workers} FFN worker processes" + (" sharing one device (gloo staged through the host)"
-                                                                    if args.device == "cpu" or _gpus() < args.ffn_workers + 1 else
-                                                                    " on distinct GPUs (NCCL)"),
+            "layout": layout, "pipeline_mode": "serial",
             "model": {"name": args.gpu_model, "hidden": hidden, "moe_intermediate": inter, "experts": experts, "top_k": top_k,
                       "layers": layers, "dtype": dtype, "checkpoint": model},
             "workload": {"shape": list(counts.shape), "tokens_per_microbatch": int(counts[0, 0, 0].sum()) // top_k},
-            "attention_ms": attention_ms, "measured": "every figure under policies.*.measured (driver timestamps, "
-            "the FFN node's /metrics)", "policies": results}
-    name = args.name or "ab_gpu"
+            "copy_rate_gbps": DEFAULT_COPY_RATE_GBPS, "attention_ms": attention_ms,
+            "measured": "every figure under policies.*.measured (driver timestamps, the FFN node's /metrics, the stage "
+                        "traces of the driver, the FFN workers and the scheduler)",
+            "calibration": {"traces": {k: v for k, v in calib.items() if k not in ("costs", "static_costs", "calibration",
+                                                                                   "stage_means")}
+                            | {"file": str(calib_file) if calib_file else None, "date_utc": started,
+                               "stages": _stage_fields(calib.get("costs")),
+                               "static_stages": _stage_fields(calib.get("static_costs"))},
+                            "reports": {"note": reports_note, "stages": _stage_fields(report_costs)},
+                            "file": None if stage_file is None else {k: stage_file[k] for k in ("path", "date_utc", "sources")}
+                            | {"stages": _stage_fields(stage_file["costs"])}},
+            "target_step_error": 0.10, "policies": results}
     paths = write_report(name, data, render_markdown(data), None, out_dir=out_dir)
     print(render_markdown(data))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    print("wrote " + ", ".join(str(p) for p in paths.values()) + (f", {calib_file}" if calib_file else ""))
     return 0
 
 
@@ -304,38 +386,179 @@ def default_attention_ms(args, counts: np.ndarray) -> float:
     return M * balanced_attention_ms(cal, shape, int(counts[0, 0, 0].sum()) // top_k)
 
 
-def simulate_side(args, counts: np.ndarray, policies: list[str], num_ffn: int, budget: int, attention_ms: dict,
-                  warmup: int) -> tuple[dict, str]:
-    """The same targets through the stage model (serial, as the driver runs them, with the attention
-    time the driver actually spent per layer call: ``attention_ms[policy]`` float[S, L]), calibrated
-    by the migration report's entry for the expert shape; ({}, why) when it has none."""
+
+def simulation_inputs(args, counts: np.ndarray, policies: list[str], budget: int):
+    """What every simulated column shares: the migration report's calibration for the expert shape
+    (grouped-GEMM fit, copy fit, window), each policy's plans on the replayed targets
+    (``run_policy``: the same policies the scheduler ran), and the stage costs of the committed
+    H200 reports (``stage_costs_from_reports``: a prior that leaves unmeasured stages at 0).
+    Returns (calibration | None, {policy: PolicyTrace}, StageCosts | None, note)."""
     from afore.bench import ab
-    from afore.bench.pipeline_sim import (calibration_from_report, run_policy, simulate_runtime, stage_costs_from_reports,
-                                          summarise_runtime)
+    from afore.bench.pipeline_sim import calibration_from_report, run_policy, stage_costs_from_reports
     from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape, SchedulerParams
     from afore.scheduler.cost import default_report_path
 
     path = args.calibration or default_report_path()
     try:
         cal = calibration_from_report(path, args.gpu_model)
-        S, L, M, E = counts.shape
-        shape = ClusterShape(num_experts=E, num_workers=num_ffn, num_layers=L, redundant_slots=args.redundant_slots,
-                             top_k=GPU_MODELS[args.gpu_model][3])
-        costs = stage_costs_from_reports(cal, ab.RESULTS / "transport_h200.json", ab.RESULTS / "scheduler.json", num_ffn,
+    except ValueError as exc:
+        return None, {}, None, f"not simulated: {exc}"
+    S, L, M, E = counts.shape
+    shape = ClusterShape(num_experts=E, num_workers=args.ffn_workers, num_layers=L, redundant_slots=args.redundant_slots,
+                         top_k=GPU_MODELS[args.gpu_model][3])
+    params = SchedulerParams(copy_budget=budget)
+    traces = {p: run_policy(p, shape, params, cal.cost, counts, ab.POLICY_OPTIONS.get(p)) for p in policies}
+    note = (f"grouped GEMM and copies: {Path(path).name} ({cal.source.get('report_date_utc')}) for {args.gpu_model}; "
+            "every column pipeline_sim.simulate_runtime, serial mode (the driver's and today's runtime's data plane), "
+            "the attention time the driver spent per layer call as input")
+    try:
+        costs = stage_costs_from_reports(cal, ab.RESULTS / "transport_h200.json", ab.RESULTS / "scheduler.json", args.ffn_workers,
                                          policies, DEFAULT_COPY_RATE_GBPS)
     except ValueError as exc:
-        return {}, f"not simulated: {exc}"
-    params = SchedulerParams(copy_budget=budget)
-    out = {}
-    tokens = int(counts[0, 0, 0].sum()) // shape.top_k
-    for policy in policies:
-        trace = run_policy(policy, shape, params, cal.cost, counts, ab.POLICY_OPTIONS.get(policy))
-        tl = simulate_runtime("serial", attention_ms[policy], cal.ffn_compute_ms(trace.max_tile_load), L, M, costs,
-                              costs.schedule_for(policy), copies=trace.dest_copies, bytes_per_expert=cal.cost.bytes_per_expert,
-                              blocking=trace.blocking, primary_compute_ms=cal.ffn_compute_ms(trace.primary_max_tile_load))
-        out[policy] = summarise_runtime(trace, tl, M * tokens, warmup, L, M)
-    return out, (f"simulated: pipeline_sim.simulate_runtime (serial) with {Path(path).name} "
-                 f"({cal.source.get('report_date_utc')}) for {args.gpu_model}, stage costs {costs.sources}")
+        return cal, traces, None, note + f"; committed stage reports: not simulated ({exc})"
+    if args.device == "cpu":
+        costs = dataclasses.replace(costs, copies_synchronous=True)
+    return cal, traces, costs, note + f"; committed stage reports: {costs.sources}"
+
+
+def _gemm_ms(cal, trace, first: int) -> float:
+    """Mean modelled grouped GEMM (ms) of ``trace``'s targets from ``first`` on."""
+    return float(np.mean(cal.ffn_compute_ms(trace.max_tile_load[first:])))
+
+
+def trace_calibration(trace: Path, windows: dict, shape: tuple, policies: list[str], traces: dict, cal, device: str,
+                      copy_rate_gbps: float, warmup: int, report_costs) -> dict:
+    """The stage costs measured by this run's own traces (``ab_runtime.stages_from_traces``, the CPU
+    engine's calibration): transport latency each way, plan decode, agreement, the FFN stage
+    outside the grouped GEMM, the pool's reply send, scheduling per policy; pooled over every
+    policy's window (``costs``) and from the static window alone (``static_costs``: eplb and afore
+    then predicted from static's stages, with their own scheduling time).
+
+    The FFN compute of a target is the migration report's grouped-GEMM fit at its plan's tile
+    load plus ``compute_offset_ms``: the static window's measured compute span minus the fit's
+    mean over the same targets (negative when the kernels end after the span, on GPUs, where
+    the host does not wait for them before the reply: their tail is then in the F2A latency).
+    Copies: the migration report's copy fit, paced to ``copy_rate_gbps`` as the FFN node ran;
+    CPU workers copy synchronously. A stage without a sample is listed in ``not_measured`` with
+    why, and the committed reports' figure (or 0) is used in its place, named as such."""
+    from afore.bench.ab_runtime import decode_steps, load_trace, stage_means, stage_table, stages_from_traces
+    from afore.bench.pipeline_sim import stage_costs_from_dict
+    from afore.ffn.worker import FFNWorkerConfig
+
+    S, L, M, E = shape
+    if cal is None:
+        return {"not_measured": {"all": "no migration report for the expert shape: no grouped-GEMM fit to calibrate against"}}
+    try:
+        attn = load_trace(trace)
+    except ValueError as exc:
+        return {"not_measured": {"all": str(exc)}}
+    tables = {p: stage_table(trace, w) for p, w in windows.items()}
+    empty = [p for p, t in tables.items() if t is None or t["stage"].size == 0]
+    if empty:
+        return {"not_measured": {"all": f"no FFN worker or scheduler trace rows for {empty} under {trace}"}}
+    tokens = int(attn[:, 3].max())
+    steps = {p: decode_steps(attn, w, L, M, max_tokens=max(tokens, 1)) for p, w in windows.items()}
+    out = {"path": str(trace), "windows_ns": windows, "stage_means": {p: stage_means(t) for p, t in tables.items()},
+           "calibration": cal}
+    name = f"this run's per-target traces ({trace.name}.*.csv: driver, FFN workers, scheduler)"
+    first = warmup * L * M
+    for key, subset in (("", policies), ("static_", ["static"])):
+        stages, sources, missing = stages_from_traces({p: tables[p] for p in subset}, {p: steps[p] for p in subset}, name,
+                                                      split_send=True)
+        span = stages.pop("compute_ms")
+        sources["compute_offset_ms"] = sources.pop("compute_ms") + " minus the migration report's grouped-GEMM fit at " \
+                                       "the static plans' tile loads (mean over the same targets)"
+        offset = span - _gemm_ms(cal, traces["static"], first) if "compute_ms" not in missing else 0.0
+        schedule = dict(stages.pop("schedule_ms"))
+        for p in policies:  # the static-only column: the other policies' scheduling from their own windows
+            if p not in schedule and np.isfinite(tables[p]["schedule"]).any():
+                schedule[p] = float(np.nanmean(tables[p]["schedule"]))
+                missing.pop(f"schedule_ms[{p}]", None)
+            if p not in schedule:
+                schedule[p] = report_costs.schedule_for(p) if report_costs is not None else 0.0
+                missing[f"schedule_ms[{p}]"] = f"no published plan of {p} in the traces: " + (
+                    "the committed reports' figure" if report_costs is not None else "0") + " used"
+        if "plan_decode_ms" in missing and report_costs is not None:
+            stages["plan_decode_ms"] = report_costs.plan_decode_ms
+            missing["plan_decode_ms"] += f": the committed reports' {report_costs.plan_decode_ms:.4f} ms used"
+        copy = {"plan_timeout_ms": FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="").plan_timeout_ms,
+                "copy_latency_ms": cal.cost.copy_latency_ms, "copy_link_gbps": cal.cost.link_bandwidth_gbps,
+                "copy_cap_gbps": copy_rate_gbps, "deadline_share": 0.5, "copies_synchronous": device == "cpu"}
+        sources.update({"plan_timeout_ms": "FFNWorkerConfig.plan_timeout_ms (the FFN node's setting, not a measurement)",
+                        "copies": f"the migration report's copy fit, paced to {copy_rate_gbps:g} GB/s (the FFN node's "
+                                  "--copy-rate-gbps), deadline share 0.5 (Migrator.deadline_share)"
+                                  + ("; CPU workers copy synchronously" if device == "cpu" else ""),
+                        "not_measured": dict(missing) or "none: every stage has samples in the traces"})
+        costs = stage_costs_from_dict({**stages, **copy, "schedule_ms": schedule, "sources": sources})
+        out[f"{key}costs"], out[f"{key}compute_offset_ms"] = costs, offset
+        out[f"{key}not_measured"], out[f"{key}compute_span_ms"] = missing, span
+    return out
+
+
+def simulate_policy_serial(trace, cal, costs, compute_offset_ms: float, attention_ms: np.ndarray, shape: tuple, policy: str,
+                           warmup: int, tokens: int) -> dict:
+    """One policy's plans through ``simulate_runtime`` in serial mode: the driver's attention time
+    per layer call (float[S, L], measured) in, FFN compute = the grouped-GEMM fit at each plan's
+    tile load + ``compute_offset_ms`` (>= 0), every other stage from ``costs``."""
+    from afore.bench.pipeline_sim import simulate_runtime, summarise_runtime
+
+    S, L, M, E = shape
+    compute = np.maximum(0.0, cal.ffn_compute_ms(trace.max_tile_load) + compute_offset_ms)
+    primary = np.maximum(0.0, cal.ffn_compute_ms(trace.primary_max_tile_load) + compute_offset_ms)
+    tl = simulate_runtime("serial", attention_ms, compute, L, M, costs, costs.schedule_for(policy), copies=trace.dest_copies,
+                          bytes_per_expert=cal.cost.bytes_per_expert, blocking=trace.blocking, primary_compute_ms=primary)
+    out = summarise_runtime(trace, tl, M * tokens, warmup, L, M)
+    out["exchange_ms_per_layer"] = float(np.mean(tl.exchange_ms[warmup * L:]))
+    out["compute_ms_mean"] = float(np.mean(compute[warmup * L * M:]))
+    return out
+
+
+def _stage_fields(costs) -> dict | None:
+    from afore.bench.pipeline_sim import STAGE_FIELDS
+
+    if costs is None:
+        return None
+    return {k: getattr(costs, k) for k in STAGE_FIELDS} | {"schedule_ms": dict(costs.schedule_ms),
+                                                           "copies_synchronous": costs.copies_synchronous,
+                                                           "vote_after_compute": costs.vote_after_compute}
+
+
+def data_model(args, model: str, dtype: str) -> dict:
+    hidden, inter, experts, top_k = GPU_MODELS[args.gpu_model]
+    return {"name": args.gpu_model, "path": model, "hidden": hidden, "moe_intermediate": inter, "experts": experts,
+            "top_k": top_k, "dtype": dtype, "bytes_per_expert": 3 * hidden * inter * (2 if dtype == "bfloat16" else 4)}
+
+
+def stage_calibration_doc(calib: dict, args, started: str, model: dict) -> dict:
+    """This run's trace calibration as a stage calibration file (ab_runtime.CALIBRATION_KIND), for
+    ``--stage-calibration`` of a later GPU run (a prediction: stages measured in another run)."""
+    from afore.bench.ab_runtime import CALIBRATION_KIND
+    from afore.bench.report import command_line
+
+    costs = calib["costs"]
+    return {"kind": CALIBRATION_KIND, "engine": "gpu",
+            "meta": {"command": command_line(), "date_utc": started, "device": args.device,
+                     "hardware": {"machine": platform.machine(), "cpus": os.cpu_count()}},
+            "model": model, "runtime": {"attn_workers": 1, "ffn_workers": args.ffn_workers, "mode": "serial",
+                                        "microbatches": args.microbatches, "tokens": args.tokens},
+            "stages": _stage_fields(costs),
+            "ffn_compute": {"model": "migration report grouped-GEMM fit + offset_ms", "offset_ms": calib["compute_offset_ms"],
+                            "span_ms": calib["compute_span_ms"]},
+            "not_measured": calib["not_measured"], "sources": costs.sources}
+
+
+def load_gpu_stage_calibration(path: str | Path, model: str) -> dict:
+    """A stage calibration file written by an earlier GPU run (``<name>_stages.json``) for ``model``."""
+    from afore.bench.ab_runtime import load_stage_calibration
+
+    costs, doc = load_stage_calibration(path)
+    if doc.get("engine") != "gpu":
+        raise ValueError(f"stage calibration: expected one written by --engine gpu in {Path(path).name}, got engine "
+                         f"{doc.get('engine')!r}")
+    if doc.get("model", {}).get("name") != model:
+        raise ValueError(f"stage calibration: expected model {model!r} in {Path(path).name}, got {doc.get('model', {}).get('name')!r}")
+    return {"path": str(path), "date_utc": doc["meta"]["date_utc"], "costs": costs, "sources": doc.get("sources", {}),
+            "compute_offset_ms": float(doc["ffn_compute"]["offset_ms"])}
 
 
 def workload_counts(args, experts: int, top_k: int, layers: int, steps: int) -> np.ndarray:
@@ -359,14 +582,16 @@ def summarise_driven(run: dict, before: dict, after: dict, policy: str, shape: t
     from afore.bench.ab_runtime import metric_sum
 
     S, L, M, _ = shape
-    step_end = run["step_end"]
-    step_ms = np.diff(step_end) / 1e6  # step s+1 - step s (the first step's start is not stamped)
-    keep = step_ms[max(0, warmup - 1):]
+    step_ms = np.diff(np.concatenate([[run["step_start"]], run["step_end"]])) / 1e6
+    keep = step_ms[warmup:]
 
     def d(family, **labels):
         return metric_sum(after, family, **labels) - metric_sum(before, family, **labels)
 
     exposed_n = d("afore_ffn_exposed_copy_wait_seconds_count", worker="0")
+    # targets with copies, per worker (a copy batch's raw time is observed only where there are copies);
+    # every exposed wait of a worker is a wait for copies into it, so its sum over them is its exposed time
+    with_copies = d("afore_ffn_copy_seconds_count")
     stage_n = d("afore_ffn_stage_seconds_count", worker="0")
     imb_n = d("afore_ffn_tile_imbalance_count", placement="plan")
     st = run["stamps"]
@@ -384,35 +609,89 @@ def summarise_driven(run: dict, before: dict, after: dict, policy: str, shape: t
         "primary_only_targets": d("afore_ffn_primary_only_targets_total", worker="0"),
         "copies": d("afore_ffn_copies_total"), "copy_bytes": d("afore_ffn_copy_bytes_total"),
         "exposed_ms_mean_planned": 1e3 * d("afore_ffn_exposed_copy_wait_seconds_sum", worker="0") / exposed_n if exposed_n else None,
+        "worker_targets_with_copies": with_copies,
+        "exposed_ms_mean_with_copies": 1e3 * d("afore_ffn_exposed_copy_wait_seconds_sum") / with_copies if with_copies else None,
         "max_mean_tile_load_mean": d("afore_ffn_tile_imbalance_sum", placement="plan") / imb_n if imb_n else None,
         "step_ms": step_ms.tolist()}}
 
 
+_VARIANTS = (("simulated", "a: committed H200 reports (a prior: unmeasured stages 0)"),
+             ("simulated_file", "f: the given --stage-calibration file (a prediction from another run)"),
+             ("simulated_traces", "b: this run's traces, all policies (not a prediction: checks the model's structure)"),
+             ("simulated_static_traces", "c: this run's traces, static's window only (eplb, afore predicted from it)"))
+
+
 def render_markdown(data: dict) -> str:
     m = data["model"]
-    lines = [f"# A/B on the FFN pool ({data['device']}): every policy, measured", "",
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    pct = lambda v: "-" if v is None else f"{100 * v:+.1f}%"  # noqa: E731
+    lines = [f"# A/B on the FFN pool ({data['device']}): every policy, measured, and the stage model against it", "",
              f"{data['layout']}; {m['name']} expert shape (H = {m['hidden']}, I = {m['moe_intermediate']}, E = {m['experts']}, "
              f"top-{m['top_k']}), {m['layers']} MoE layers, {m['dtype']}, random weights; workload {data['workload']['shape']} "
              f"[steps, layers, microbatches, experts], {data['workload']['tokens_per_microbatch']} tokens per microbatch; "
-             f"attention compute: a stated constant {data['attention_ms']:.4f} ms per layer call (a sleep in the driver; "
-             "--attention-ms, default M x the balanced FFN stage of the migration report). "
-             f"Date {data['date_utc']}. All figures below are measured.", "",
+             f"copies paced to {data.get('copy_rate_gbps', 0):g} GB/s; data plane {data.get('pipeline_mode', 'serial')} "
+             "(the driver, as today's runtime, posts a layer's microbatches, then waits for all replies: no overlap of "
+             f"attention and FFN); attention compute: a stated constant {data['attention_ms']:.4f} ms per layer call (a sleep "
+             "in the driver; --attention-ms, default M x the balanced FFN stage of the migration report). "
+             f"Date {data['date_utc']}.", "",
+             "## Measured", "",
+             "Driver timestamps, the FFN node's /metrics, the stage traces of the driver, the FFN workers and the scheduler.", "",
              "| policy | steps | step ms mean | p50 | p95 | F2A wait ms | FFN stage ms | plans used / missed | copies | "
-             "exposed ms (planned targets) | max/mean tile load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+             "exposed ms over targets with copies | exposed ms (planned targets, worker 0) | max/mean tile load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, r in data["policies"].items():
         me = r["measured"]
         lines.append(f"| {p} | {me['steps']} | {f(me['step_ms_mean'])} | {f(me['step_ms_p50'])} | {f(me['step_ms_p95'])} | "
                      f"{f(me['f2a_wait_ms_mean'])} | {f(me['ffn_stage_ms_mean'])} | {me['plans_used']:.0f} / {me['plans_missed']:.0f} | "
-                     f"{me['copies']:.0f} | {f(me['exposed_ms_mean_planned'])} | {f(me['max_mean_tile_load_mean'])} |")
-    lines += ["", f"Simulated side: {data['simulated_side']}", ""]
-    if any("simulated" in r for r in data["policies"].values()):
-        lines += ["| policy | step ms mean (measured) | step ms mean (simulated) | error | exposed ms over targets with copies "
-                  "(simulated) | max/mean tile load (simulated) |", "|---|---|---|---|---|---|"]
+                     f"{me['copies']:.0f} | {f(me.get('exposed_ms_mean_with_copies'))} ({me.get('worker_targets_with_copies', 0):.0f} "
+                     f"worker-targets) | {f(me['exposed_ms_mean_planned'])} | {f(me['max_mean_tile_load_mean'])} |")
+    if any(r["measured"].get("stage_means_ms") for r in data["policies"].values()):
+        lines += ["", "Per target, from the traces (mean ms over the steps after the warm-up; the latest FFN worker per target):",
+                  "", "| policy | A2F latency | queue | plan wait + decode | decode (plan there) | compute span | vote | reply | "
+                  "reply send (pool busy) | FFN stage | F2A latency | demand -> plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p, r in data["policies"].items():
-            if "simulated" in r:
-                si = r["simulated"]
-                err = "-" if r["step_error"] is None else f"{100 * r['step_error']:+.1f}%"
-                lines.append(f"| {p} | {f(r['measured']['step_ms_mean'])} | {f(si['step_ms_mean'])} | {err} | "
-                             f"{f(si['exposed_ms_per_target_with_copies'])} | {f(si['max_mean_tile_load'])} |")
+            t = r["measured"].get("stage_means_ms") or {}
+            if t:
+                lines.append(f"| {p} | {f(t['a2f_latency'])} | {f(t['queue'])} | {f(t['plan'])} | {f(t['decode'])} | "
+                             f"{f(t['compute'])} | {f(t['vote'])} | {f(t['reply'])} | {f(t.get('send'))} | {f(t['stage'])} | "
+                             f"{f(t['f2a_latency'])} | {f(t['schedule'])} |")
+    cal = data.get("calibration", {})
+    tr = cal.get("traces", {})
+    lines += ["", "## Simulated", "", f"{data['simulated_side']}.", ""]
+    if tr.get("stages"):
+        st = tr["stages"]
+        lines += [f"Calibration b (this run's traces, `{tr.get('file')}`, {tr.get('date_utc')}): demand emit "
+                  f"{st['demand_emit_ms']:.3f}, A2F post {st['a2f_post_ms']:.3f}, A2F latency {st['a2f_latency_ms']:.3f}, "
+                  f"F2A latency {st['f2a_latency_ms']:.3f} (after the pool's reply send), plan decode {st['plan_decode_ms']:.4f}, "
+                  f"agreement {st['agreement_ms']:.3f}, FFN stage outside the GEMM: reply + send {st['ffn_fixed_ms']:.3f} and "
+                  f"compute span - GEMM fit {tr['compute_offset_ms']:+.3f} (span {tr['compute_span_ms']:.3f}), demand -> plan "
+                  + ", ".join(f"{p} {v:.3f}" for p, v in st["schedule_ms"].items()) + " ms; copies at "
+                  f"{st['copy_cap_gbps']:g} GB/s, plan timeout {st['plan_timeout_ms']:g} ms (settings).", ""]
+        nm = tr.get("not_measured") or {}
+        lines += ["Not measured by the traces: " + ("; ".join(f"{k} ({v})" for k, v in nm.items()) if nm else "none") + ".", ""]
+    elif tr.get("not_measured"):
+        lines += [f"Trace calibration: not done ({tr['not_measured']}).", ""]
+    if cal.get("file"):
+        lines += [f"Calibration f: `{cal['file']['path']}` ({cal['file']['date_utc']}).", ""]
+    shown = [(k, label) for k, label in _VARIANTS if any(k in r for r in data["policies"].values())]
+    if shown:
+        lines += ["| policy | step ms mean (measured) | " + " | ".join(f"step ms mean ({label}) | error {label[0]}" for k, label in shown)
+                  + " | exposed ms over targets with copies (simulated b) | max/mean tile load (simulated) |",
+                  "|---|---|" + "---|---|" * len(shown) + "---|---|"]
+        for p, r in data["policies"].items():
+            cells = []
+            for k, _ in shown:
+                si = r.get(k)
+                cells += [f(si["step_ms_mean"]) if si else "-", pct(r.get("step_error" + k[len("simulated"):]))]
+            b = r.get("simulated_traces") or r.get("simulated") or {}
+            lines.append(f"| {p} | {f(r['measured']['step_ms_mean'])} | " + " | ".join(cells)
+                         + f" | {f(b.get('exposed_ms_per_target_with_copies'))} | {f(b.get('max_mean_tile_load'))} |")
+        target = data.get("target_step_error", 0.10)
+        lines.append("")
+        for k, label in shown:
+            errs = [abs(r["step_error" + k[len("simulated"):]]) for r in data["policies"].values()
+                    if r.get("step_error" + k[len("simulated"):]) is not None]
+            if errs:
+                lines.append(f"- largest step-time error, {label}: {100 * max(errs):.1f}% "
+                             f"({'within' if max(errs) <= target else 'outside'} the {100 * target:.0f}% target)")
     return "\n".join(lines)

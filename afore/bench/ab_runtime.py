@@ -322,9 +322,11 @@ def load_trace(trace: str | Path) -> np.ndarray:
     return data
 
 
-def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, microbatches: int) -> dict:
-    """The complete decode steps inside ``window_ns`` whose next step is also there (its first
-    layer call's ``prev_exit`` ends this step), as arrays.
+def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, microbatches: int,
+                 max_tokens: int = DECODE_TOKENS_MAX) -> dict:
+    """The complete steps inside ``window_ns`` of at most ``max_tokens`` tokens per microbatch (decode
+    steps by default) whose next step is also there (its first layer call's ``prev_exit`` ends this
+    step), as arrays.
 
     Returns {"steps": int[S], "attention_ms": float[S, L] (compute before each MoE layer call;
     layer 0: since the previous step's last MoE layer ended), "step_ms": float[S],
@@ -340,7 +342,7 @@ def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, 
         by_step.setdefault(int(r[col["step"]]), {})[(int(r[col["layer"]]), int(r[col["microbatch"]]))] = r
     full = {s: v for s, v in by_step.items() if len(v) == num_layers * microbatches}
     keep = [s for s in sorted(full) if s + 1 in full
-            and all(0 < full[s][(l, b)][col["tokens"]] <= DECODE_TOKENS_MAX for l in range(num_layers) for b in range(microbatches))]
+            and all(0 < full[s][(l, b)][col["tokens"]] <= max_tokens for l in range(num_layers) for b in range(microbatches))]
     S, L, M = len(keep), num_layers, microbatches
     out = {"steps": np.array(keep, np.int64), "attention_ms": np.zeros((S, L)), "step_ms": np.zeros(S),
            "exchange_ms": np.zeros((S, L)), "demand_emit_ms": np.zeros((S, L, M)), "a2f_post_ms": np.zeros((S, L, M)),
@@ -388,8 +390,11 @@ def stage_table(trace: str | Path, window_ns: tuple[int, int]) -> dict | None:
     (the same, over the targets whose plan was published before they were taken up), vote
     (last worker's plan -> last worker's agreement), compute (agreed -> computed: read-ahead,
     commit, partition, experts), reply (computed -> sent), stage (taken up -> sent), f2a_latency
-    (last reply -> the attention worker had the target, where it was waiting), schedule (demand
-    written -> plan published), used (share of workers that ran the scheduler's plan)."""
+    (last reply -> the attention worker had the target, where it was waiting), send (the last
+    worker's sent_ns -> the next target taken up, where the next target had already arrived: the
+    time the pool stays in its reply send, the combine and the F2A write, which ``sent_ns``
+    precedes), schedule (demand written -> plan published), used (share of workers that ran the
+    scheduler's plan)."""
     from afore.attention.stages import COLUMNS
 
     trace = Path(trace)
@@ -420,7 +425,7 @@ def stage_table(trace: str | Path, window_ns: tuple[int, int]) -> dict | None:
     published = {int(q): (int(a), int(b)) for q, a, b in zip(sched["seq"], sched["written_ns"], sched["published_ns"])}
     by_key = {(int(r[col["step"]]), int(r[col["layer"]]), int(r[col["microbatch"]])): r for r in attn}
     rows = {k: [] for k in ("a2f_latency", "queue", "plan", "decode", "vote", "compute", "reply", "stage", "f2a_latency",
-                            "schedule", "used", "microbatch")}
+                            "send", "schedule", "used", "microbatch")}
     nan = float("nan")
     for seq, rec in sorted(per_seq.items()):
         if rec["n"] != len(workers):
@@ -447,6 +452,9 @@ def stage_table(trace: str | Path, window_ns: tuple[int, int]) -> dict | None:
         rows["stage"].append(ms(rec["sent_ns"] - rec["start_ns"]))
         waiting = a is not None and a[col["recv_start_ns"]] <= rec["sent_ns"]
         rows["f2a_latency"].append(ms(a[col["done_ns"]] - rec["sent_ns"]) if waiting else nan)
+        nxt = per_seq.get(seq + 1)
+        queued = nxt is not None and nxt["n"] == len(workers) and nxt["arrived_ns"] <= rec["sent_ns"]
+        rows["send"].append(ms(nxt["start_ns"] - rec["sent_ns"]) if queued else nan)
         rows["schedule"].append(ms(pub[1] - pub[0]) if pub is not None else nan)
         rows["used"].append(rec["used"] / rec["n"])
     out = {k: np.array(v, np.float64) for k, v in rows.items()}
@@ -591,47 +599,89 @@ def build_calibration(serve: dict, steps: dict[str, dict], micro: dict, model: d
                             calibration_run={p: r["runtime"] for p, r in runs.items()})
 
 
+def stages_from_traces(tables: dict[str, dict], steps: dict[str, dict], trace: str, reference: str = "static",
+                       split_send: bool = False) -> tuple[dict, dict, dict]:
+    """The stage costs that the runtime's own per-target traces measure (both engines' calibration).
+
+    tables: {policy: ``stage_table`` of its window}; steps: {policy: ``decode_steps`` of its
+    window} (the attention side's demand emit and A2F post); trace: how the sources name the
+    traces; reference: the policy whose ``compute`` span is the FFN compute (static: no copies,
+    no plan effects); split_send: the pool stays in its reply send (a combine over the workers, a
+    blocking F2A write; ``stage_table``'s ``send``), so that part of the F2A latency is moved into
+    ``ffn_fixed_ms`` (the workers are busy during it) and only the rest stays in ``f2a_latency_ms``.
+
+    Returns (stages: the StageCosts fields measured here, ms, plus ``schedule_ms`` {policy: ms},
+    ``vote_after_compute`` and ``compute_ms``: the reference's mean compute span; sources:
+    {field: how it was measured}; not_measured: {field: why} for each stage without a sample,
+    which is 0 in ``stages`` and must be reported as not measured, never as a measured 0)."""
+    not_measured: dict[str, str] = {}
+
+    def pooled(stage: str, field: str) -> float:
+        values = np.concatenate([t[stage] for t in tables.values()])
+        values = values[np.isfinite(values)]
+        if not values.size:
+            not_measured[field] = f"no {stage} sample in {trace}"
+            return 0.0
+        # >= 0: a worker stamps sent_ns after publishing, so a waiting reader can finish before it
+        return max(0.0, float(values.mean()))
+
+    def attention(key: str) -> float:
+        values = np.concatenate([s[key].ravel() for s in steps.values()]) if steps else np.zeros(0)
+        if not values.size:
+            not_measured[key] = f"no complete step in the attention side's trace ({trace})"
+            return 0.0
+        return float(values.mean())
+
+    ref = tables[reference] if reference in tables else next(iter(tables.values()))
+    compute = _mean(ref["compute"])
+    if compute is None:
+        not_measured["compute_ms"] = f"no compute sample of {reference} in {trace}"
+    f2a, reply = pooled("f2a_latency", "f2a_latency_ms"), pooled("reply", "ffn_fixed_ms")
+    send = pooled("send", "send_ms") if split_send else 0.0
+    schedule = {p: float(np.nanmean(t["schedule"])) for p, t in tables.items() if np.isfinite(t["schedule"]).any()}
+    for p in tables:
+        if p not in schedule:
+            not_measured[f"schedule_ms[{p}]"] = f"no published plan of {p} in {trace}"
+    stages = {"demand_emit_ms": attention("demand_emit_ms"), "a2f_post_ms": attention("a2f_post_ms"),
+              "a2f_latency_ms": pooled("a2f_latency", "a2f_latency_ms"), "f2a_latency_ms": max(0.0, f2a - send),
+              "f2a_read_ms": 0.0, "plan_decode_ms": pooled("decode", "plan_decode_ms"),
+              "agreement_ms": pooled("vote", "agreement_ms"), "ffn_fixed_ms": reply + send, "schedule_ms": schedule,
+              "vote_after_compute": bool(ref["vote_after_compute"]), "compute_ms": compute or 0.0}
+    f2a_source = (f"{trace}: mean attention done_ns - the last FFN worker's sent_ns, targets the attention worker "
+                  "was waiting for (f2a_read_ms folded in)")
+    sources = {
+        "demand_emit_ms": f"{trace}, attention side: mean demand_ns - (enter_ns | previous sent_ns)",
+        "a2f_post_ms": f"{trace}, attention side: mean sent_ns - demand_ns",
+        "a2f_latency_ms": f"{trace}: mean of the last FFN worker's arrived_ns (read) - the attention side's sent_ns, "
+                          "microbatch 0 targets (the workers idle, waiting for them)",
+        "f2a_latency_ms": f2a_source + (", minus the pool's reply send (ffn_fixed_ms)" if split_send else ""),
+        "plan_decode_ms": f"{trace}, FFN workers: mean plan_ns - start_ns over targets whose plan was published before "
+                          "they were taken up",
+        "agreement_ms": f"{trace}, FFN workers: mean of the last worker's vote (agreed_ns minus the stamp before it)",
+        "ffn_fixed_ms": f"{trace}, FFN workers: mean sent_ns minus the stamp before it (reply write)"
+                        + (" + the pool's reply send: mean next target taken up - sent_ns where it had arrived "
+                           "(combine, F2A write)" if split_send else ""),
+        "compute_ms": f"{trace}, FFN workers, {reference} policy: mean computed_ns minus the stamp before it "
+                      "(read-ahead, commit, partition, expert compute)",
+        "vote_after_compute": "the FFN trace's column order (computed_ns before agreed_ns: the workers compute, then vote)",
+        "schedule_ms": f"{trace}, scheduler: mean published_ns - written_ns per policy",
+    }
+    return stages, sources, not_measured
+
+
 def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, model: dict, command: str,
                              tables: dict[str, dict]) -> dict:
     from afore.ffn.worker import FFNWorkerConfig
 
-    def pooled(stage: str) -> float:
-        values = np.concatenate([t[stage] for t in tables.values()])
-        values = values[np.isfinite(values)]
-        if not values.size:
-            raise RuntimeError(f"the calibration run's traces have no {stage} sample")
-        # >= 0: a worker stamps sent_ns after publishing, so a waiting reader can finish before it
-        return max(0.0, float(values.mean()))
-
-    emit = float(np.mean(np.concatenate([s["demand_emit_ms"].ravel() for s in steps.values()])))
-    post = float(np.mean(np.concatenate([s["a2f_post_ms"].ravel() for s in steps.values()])))
-    static = tables["static"] if "static" in tables else next(iter(tables.values()))
-    compute = float(np.nanmean(static["compute"]))
-    schedule = {p: float(np.nanmean(t["schedule"])) for p, t in tables.items() if np.isfinite(t["schedule"]).any()}
-    stages = {"demand_emit_ms": emit, "a2f_post_ms": post, "a2f_latency_ms": pooled("a2f_latency"),
-              "f2a_latency_ms": pooled("f2a_latency"), "f2a_read_ms": 0.0, "plan_decode_ms": pooled("decode"),
-              "agreement_ms": pooled("vote"), "ffn_fixed_ms": pooled("reply"),
-              "plan_timeout_ms": FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="").plan_timeout_ms,
-              "copy_latency_ms": micro["copy"]["median_ms"], "copy_link_gbps": micro["copy"]["gbps"], "copy_cap_gbps": 0.0,
-              "deadline_share": 0.5, "copies_synchronous": True, "schedule_ms": schedule,
-              "vote_after_compute": bool(static["vote_after_compute"])}
     trace = "the calibration run's per-target traces (AFORE_STAGE_TRACE)"
-    sources = {
-        "demand_emit_ms": f"{trace}, attention worker: mean demand_ns - (enter_ns | previous sent_ns), decode targets",
-        "a2f_post_ms": f"{trace}, attention worker: mean sent_ns - demand_ns",
-        "a2f_latency_ms": f"{trace}: mean of the last FFN worker's arrived_ns (read) - the attention worker's sent_ns, "
-                          "microbatch 0 targets (the workers idle, waiting for them)",
-        "f2a_latency_ms": f"{trace}: mean attention done_ns - the last FFN worker's sent_ns, targets the attention worker "
-                          "was waiting for (f2a_read_ms folded in)",
-        "plan_decode_ms": f"{trace}, FFN workers: mean plan_ns - start_ns over targets whose plan was published before "
-                          "they were taken up",
-        "agreement_ms": f"{trace}, FFN workers: mean of the last worker's vote (agreed_ns minus the stamp before it)",
-        "ffn_fixed_ms": f"{trace}, FFN workers: mean sent_ns minus the stamp before it (reply write)",
-        "ffn_compute.intercept_ms": f"{trace}, FFN workers, static policy: mean computed_ns minus the stamp before it "
-                                    "(read-ahead, commit, partition, expert compute)",
-        "vote_after_compute": "the FFN trace's column order (computed_ns before agreed_ns: the workers compute, then vote)",
-        "schedule_ms": f"{trace}, scheduler: mean published_ns - written_ns per policy",
-    }
+    stages, sources, missing = stages_from_traces(tables, steps, trace)
+    if missing:
+        raise RuntimeError(f"the calibration run's traces do not measure {sorted(missing)}: {missing}")
+    compute = stages.pop("compute_ms")
+    sources["ffn_compute.intercept_ms"] = sources.pop("compute_ms")
+    stages.update({"plan_timeout_ms": FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="").plan_timeout_ms,
+                   "copy_latency_ms": micro["copy"]["median_ms"], "copy_link_gbps": micro["copy"]["gbps"],
+                   "copy_cap_gbps": 0.0, "deadline_share": 0.5, "copies_synchronous": True})
     return _calibration_doc(serve, micro, model, command, compute, stages, sources,
                             calibration_run={p: {"runtime": r["runtime"], "stage_means_ms": stage_means(tables[p])}
                                             for p, r in serve["runs"].items()})
