@@ -56,7 +56,10 @@ Phases (paper Algorithm 1; the parts marked [chains] go beyond the paper and run
    before copies, best-fit receivers), from the state after stage 2; a plan that reaches its
    level with a larger net gain replaces the best, and the next level down is tried. With
    B < F the paper's half-gap moves spend the budget on early, small deficits and end with
-   overloaded workers and no copy left; this is where the gap to the MILP optimum was. Like the
+   overloaded workers and no copy left; this is where the gap to the MILP optimum was. On cold
+   tables with R = 1 and on bursts whose light workers' single slots hold protected replicas,
+   the workers with room have no safe slot: a copy then lands on a worker at the level, which
+   passes its own tiles on to one with room (``find_push_path``). Like the
    chains, it runs only for theta = 0 (the certifier's setting; theta >= 1 keeps the paper's
    search exactly).
 4. Token fill: a[e, w] = N[e, w] * M_tile on every worker but one, which takes the remainder:
@@ -241,7 +244,6 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
     saves time; the paper's search would go on until no move is left.
     """
     f = shape.num_workers
-    owner, pcount = shape.primary_owner, shape.primary_counts
     theta, budget = params.theta, params.copy_budget
     beta, copy_ms, window = cost.beta_tile_ms, cost.copy_ms, cost.window_ms
     tiles, load, has, binding = tiles.copy(), load.copy(), has.copy(), binding.copy()
@@ -275,17 +277,7 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
         if hops_made + len(hops) > max_hops:
             break
         hops_made += len(hops)
-        for e, h, c, r, q in hops:
-            if r >= 0:
-                old = int(binding[c, r])
-                if old >= 0:
-                    has[old, c] = False
-                binding[c, r] = e
-                has[e, c] = True
-                reserved[c, r] = True
-                copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
-                copies_into[c] += 1
-            _move_tiles(tiles, load, e, h, c, q)
+        apply_hops(hops, shape, tiles, load, has, binding, reserved, copies, copies_into)
         exposed = exposed_cost(int(copies_into.max()), copy_ms, window)
         gain = f0 - beta * int(load.max()) - exposed
         if gain > best_gain:
@@ -294,6 +286,25 @@ def search_beyond(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cos
         if int(load.max()) <= floor:
             break
     return best_gain, best_exposed, best
+
+
+def apply_hops(hops: list[tuple[int, int, int, int, int]], shape: ClusterShape, tiles: np.ndarray,
+               load: np.ndarray, has: np.ndarray, binding: np.ndarray, reserved: np.ndarray,
+               copies: list[tuple[int, int, int, int]], copies_into: np.ndarray) -> None:
+    """Apply the hops (e, u, c, r, q) of one step of stage 3 or 3b in order: q tiles of e move
+    from u to c; a hop with r >= 0 first rebinds c's slot r to e (its old expert leaves the
+    placement on c), reserves it and appends the copy (e, primary(e), c, P_c + r)."""
+    for e, u, c, r, q in hops:
+        if r >= 0:
+            old = int(binding[c, r])
+            if old >= 0:
+                has[old, c] = False
+            binding[c, r] = e
+            has[e, c] = True
+            reserved[c, r] = True
+            copies.append((e, int(shape.primary_owner[e]), c, int(shape.primary_counts[c]) + r))
+            copies_into[c] += 1
+        _move_tiles(tiles, load, e, u, c, q)
 
 
 def replica_bound(k: np.ndarray, has: np.ndarray, budget: int) -> int:
@@ -322,7 +333,9 @@ def search_level(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost
     a move of q = min(N[e, h], x, level - T_c) > theta tiles of an expert e on h onto an existing
     replica on a worker c (``find_level_move``); a path through existing replicas to a worker
     below the level (``find_level_path``); and, while fewer than B copies are planned, the same
-    two ending in a new replica in a safe slot (``safe_slot``, same rules as stage 3). So copies
+    two with one new replica in a safe slot (``safe_slot``, same rules as stage 3), ending the
+    path or, where no worker below the level has a safe slot, on a worker at the level that
+    passes as many tiles of its own on through existing replicas (``find_push_path``). So copies
     are spent only where the placement cannot absorb the excess. Among the direct moves of a step
     the order is (q desc, T_c desc, c asc, N[e, h] desc, e asc): the largest relief, then the
     fullest receiver that gives it (best fit, keeping room for later deficits). Every step lowers
@@ -330,7 +343,6 @@ def search_level(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost
     hops exceed ``max_beyond_hops``.
     """
     f = shape.num_workers
-    owner, pcount = shape.primary_owner, shape.primary_counts
     theta, budget = params.theta, min(params.copy_budget, f * shape.redundant_slots)
     tiles, load, has, binding = tiles.copy(), load.copy(), has.copy(), binding.copy()
     reserved = np.zeros_like(inp.protected)
@@ -354,17 +366,7 @@ def search_level(shape: ClusterShape, inp: Inputs, params: SchedulerParams, cost
         if hops is None or len(hops) > hops_left:
             return None
         hops_left -= len(hops)
-        for e, u, c, r, q in hops:
-            if r >= 0:
-                old = int(binding[c, r])
-                if old >= 0:
-                    has[old, c] = False
-                binding[c, r] = e
-                has[e, c] = True
-                reserved[c, r] = True
-                copies.append((e, int(owner[e]), c, int(pcount[c]) + r))
-                copies_into[c] += 1
-            _move_tiles(tiles, load, e, u, c, q)
+        apply_hops(hops, shape, tiles, load, has, binding, reserved, copies, copies_into)
     exposed = exposed_cost(int(copies_into.max()), cost.copy_ms, cost.window_ms)
     gain = f0 - cost.beta_tile_ms * int(load.max()) - exposed
     return gain, exposed, (tiles, load, has, binding, copies)
@@ -406,8 +408,9 @@ def find_level_path(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta:
     """FindLevelPath: when h has no direct move, a path of hops (e, u, v, r, q) from h to a worker
     below ``level`` that moves q tiles along it (each inner worker takes q and gives q of another
     expert, so its load is kept), or None. r is -1 for a hop onto an existing replica, else the
-    slot of v bound to e (a copy, only the last hop). This is how a copy reaches a receiver whose
-    room is behind another worker: h -> (existing replica) u -> (new replica) c.
+    slot of v bound to e (a copy, at most one per path). This is how a copy reaches a receiver
+    whose room is behind another worker: h -> (existing replica) u -> (new replica) c, or, as a
+    last resort (``find_push_path``), h -> u -> (new replica) c -> (existing replica) v.
 
     Breadth-first search over placement edges u -> v (some e with N[e, u] > theta has a replica
     on v), each worker visited once, levels expanded in increasing worker index, a worker's parent
@@ -415,8 +418,9 @@ def find_level_path(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta:
     worker c with level - T_c > theta, the first by (T_c, c). Else, with ``slots``, the first
     visited worker u (BFS order) with a copy edge to a worker c (safe slot, level - T_c > theta,
     an e with N[e, u] > theta and no replica on c) ends the path with that copy, c by
-    (q desc, T_c desc, c asc). Each hop moves its expert with the most tiles on u (ties: lower
-    index); q = min(excess, level - T_c, the hops' N[e, u]), and must exceed theta.
+    (q desc, T_c desc, c asc); else the path of ``find_push_path``. Each hop moves its expert
+    with the most tiles on u (ties: lower index); q = min(excess, level - T_c, the hops' N[e, u]),
+    and must exceed theta.
     """
     f = load.size
     parent = np.full(f, -1, np.int64)
@@ -455,21 +459,85 @@ def find_level_path(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta:
             if copy_hop is not None:
                 break
         if copy_hop is None:
-            return None
+            return find_push_path(tiles, load, has, theta, excess, level, slots, order, seen, parent)
         end = copy_hop[1]
+    hops = placement_hops(tiles, has, theta, parent, end)
+    if copy_hop is not None:
+        hops.append(copy_hop)
+    return with_amount(tiles, load, theta, excess, level, hops)
+
+
+def find_push_path(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta: int, excess: int, level: int,
+                   slots: list[int | None], order: list[int], seen: np.ndarray,
+                   parent: np.ndarray) -> list[tuple[int, int, int, int, int]] | None:
+    """FindPushPath: the last resort of ``find_level_path``, a copy onto a worker c that is not
+    below ``level`` and passes q tiles of its own on through existing replicas to one that is:
+    h -> (existing replicas) u -> (new replica) c -> (existing replicas) v. Where the workers with
+    room have no safe slot (R = 1, or a burst whose light workers' slots are protected) and those
+    with a slot have no room, this is the only way h's excess leaves it.
+
+    ``order``, ``seen``, ``parent``: the placement search from h of ``find_level_path`` (no worker
+    of it is below the level; ``parent`` is extended here). The copy targets are the workers c
+    not seen with a safe slot and a copy edge from a worker of ``order`` (an e with N[e, u] >
+    theta and no replica on c), c's copy parent u the first such worker in that order (h first).
+    From the copy targets (increasing index), a breadth-first search over placement edges and
+    workers not visited yet, levels expanded in increasing index, stops at the first level with a
+    worker v with level - T_v > theta, the first by (T_v, v). Hops as in ``find_level_path``;
+    the copy moves the expert with the most tiles on u and no replica on c (ties: lower index).
+    """
+    f = load.size
+    visited = seen.copy()
+    copy_parent = {}
+    for c in range(f):
+        if visited[c] or slots[c] is None:
+            continue
+        for u in order:
+            if np.any((tiles[:, u] > theta) & ~has[:, c]):
+                copy_parent[c] = u
+                break
+    frontier, end = sorted(copy_parent), None
+    visited[frontier] = True
+    while frontier:
+        light = [v for v in frontier if level - int(load[v]) > theta]
+        if light:
+            end = min(light, key=lambda v: (int(load[v]), v))
+            break
+        found = []
+        for u in frontier:
+            new = np.flatnonzero(has[tiles[:, u] > theta].any(axis=0) & ~visited)
+            parent[new], visited[new] = u, True
+            found += new.tolist()
+        frontier = sorted(found)
+    if end is None:
+        return None
+    after = placement_hops(tiles, has, theta, parent, end)  # parent[c] is -1: it stops at c
+    c = after[0][1] if after else end
+    u = copy_parent[c]
+    movable = np.flatnonzero((tiles[:, u] > theta) & ~has[:, c])
+    e = int(movable[np.lexsort((movable, -tiles[movable, u]))][0])
+    hops = placement_hops(tiles, has, theta, parent, u) + [(e, u, c, slots[c])] + after
+    return with_amount(tiles, load, theta, excess, level, hops)
+
+
+def placement_hops(tiles: np.ndarray, has: np.ndarray, theta: int, parent: np.ndarray,
+                   v: int) -> list[tuple[int, int, int, int]]:
+    """The hops (e, u, v, -1) of the placement path to v in ``parent`` (-1 at its root), root
+    first; each moves its expert with the most tiles on u and a replica on v (ties: lower index)."""
     hops = []
-    v = end
     while parent[v] >= 0:
         u = int(parent[v])
         movable = np.flatnonzero((tiles[:, u] > theta) & has[:, v])
         e = int(movable[np.lexsort((movable, -tiles[movable, u]))][0])
-        hops.append([e, u, v, -1])
+        hops.append((e, u, v, -1))
         v = u
-    hops.reverse()
-    if copy_hop is not None:
-        hops.append(list(copy_hop))
-    last = hops[-1][2]
-    q = min([excess, level - int(load[last])] + [int(tiles[e, u]) for e, u, _, _ in hops])
+    return hops[::-1]
+
+
+def with_amount(tiles: np.ndarray, load: np.ndarray, theta: int, excess: int, level: int,
+                hops: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int, int]] | None:
+    """The hops (e, u, v, r) of a level path with its amount q = min(excess, level - T_end, the
+    hops' N[e, u]) appended, or None when q <= theta."""
+    q = min([excess, level - int(load[hops[-1][2]])] + [int(tiles[e, u]) for e, u, _, _ in hops])
     if q <= theta:
         return None
     return [(e, u, v, r, q) for e, u, v, r in hops]

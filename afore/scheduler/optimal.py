@@ -103,7 +103,9 @@ def lower_bounds(shape: ClusterShape, k: np.ndarray, table: SlotTable, protected
         candidates &= ~bound_on[e]
         r_max = 1 + existing + min(copy_budget, int(candidates.sum()))
         bound = max(bound, int(-(-int(k[e]) // r_max)))
-    return max(bound, budget_bound(shape, k, bound_on.any(axis=1), copy_budget))
+    has_other = bound_on.any(axis=1)
+    return max(bound, budget_bound(shape, k, has_other, copy_budget),
+               receiver_bound(shape, k, has_other, rebindable, copy_budget))
 
 
 def budget_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, copy_budget: int) -> int:
@@ -136,6 +138,43 @@ def budget_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, copy
     while lo < hi:  # copies_needed falls as T grows; hi always fits (no copy)
         mid = (lo + hi) // 2
         if copies_needed(mid) <= copy_budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def receiver_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, rebindable: np.ndarray,
+                   copy_budget: int) -> int:
+    """The smallest T (tiles) for which the receivers that B copies can reach have room for the
+    tiles that must leave their primaries through new replicas.
+
+    needy_w: the tiles of w's primaries with no replica elsewhere in C[t] (``has_other``:
+    bool[E]). Worker w keeps x_w <= min(T, needy_w) of them, the rest leaves on new replicas; a
+    worker v that takes tiles on a new replica ends at least at x_v plus what it takes, so
+    sum_w (needy_w - T)^+ <= sum over the receivers v of (T - needy_v) (a receiver that sheds too
+    passes its own tiles on and gains nothing). Every receiver holds at least one of the at most
+    B new replicas and needs a slot that can take one (``rebindable``: bool[F]), so at most B of
+    them count, the roomiest. Strong on cold tables with B < F, where each copy can carry only
+    the room of one light worker (the budget bound counts the copies each overloaded worker
+    needs, not where they can go).
+    """
+    f, owner = shape.num_workers, shape.primary_owner
+    needy = np.bincount(owner, weights=np.where(has_other, 0, k), minlength=f).astype(np.int64)
+    can_take = needy[np.asarray(rebindable, bool)]
+    receivers = min(int(copy_budget), can_take.size)
+
+    def fits(t: int) -> bool:
+        excess = int(np.maximum(needy - t, 0).sum())
+        if excess == 0:
+            return True
+        room = np.sort(np.maximum(t - can_take, 0))[::-1]
+        return int(room[:receivers].sum()) >= excess
+
+    lo, hi = 0, int(needy.max(initial=0))
+    while lo < hi:  # fits(T) is monotone in T; hi fits (nothing must leave)
+        mid = (lo + hi) // 2
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1

@@ -172,28 +172,6 @@ AFORE_VECTORIZE uint32_t any_outside(const int32_t* v, int64_t n, uint32_t limit
   return bad;
 }
 
-// The int32 body of an encoded plan (afore/scheduler/plan_codec.py), copied out of `data` in
-// one pass that also checks every value a worker indexes with: counts (demand, assignment,
-// tiles) >= 0, slots in [-1, k_max), copies' expert < E, workers < F, slot < k_max.
-Out<int32_t, 1> plan_body(nb::bytes data, size_t offset, int64_t e, int64_t f, int64_t c, int64_t k_max) {
-  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the plan wire format is little-endian");
-  const int64_t ef = e * f, counts = e + 2 * ef, n = counts + ef + f + 4 * c;
-  if (e < 0 || f < 0 || c < 0 || offset > data.size() || data.size() - offset != static_cast<size_t>(4 * n))
-    throw std::invalid_argument("plan.body: expected " + std::to_string(4 * n) + " bytes");
-  Buffer<int32_t> out(static_cast<size_t>(n));
-  std::memcpy(out.data, data.c_str() + offset, static_cast<size_t>(4 * n));
-  const int32_t* v = out.data;
-  if (or_all(v, counts) < 0) throw std::invalid_argument("plan: negative demand, assignment or tiles");
-  if (k_max < 0 || k_max >= kInt32Max || any_outside(v + counts, ef, static_cast<uint32_t>(k_max) + 1u))
-    throw std::invalid_argument("plan.slot: expected values in [-1, " + std::to_string(k_max) + ")");
-  const int64_t bound[4] = {e, f, f, k_max};
-  for (int64_t i = 0; i < 4 * c; ++i) {
-    const int32_t x = v[counts + ef + f + i];
-    if (x < 0 || x >= bound[i % 4]) throw std::invalid_argument("plan.copies: expert, worker or slot out of range");
-  }
-  return Out<int32_t, 1>(out.data, {static_cast<size_t>(n)}, out.owner);
-}
-
 // XXH64 (Yann Collet's xxHash, 64-bit; the reference algorithm), for the plan checksum: every
 // reader pays it for every plan, 1.3 us for 13 KB against 3.5 us for zlib's crc32 (dev CPU).
 constexpr uint64_t kP1 = 11400714785074694791ULL, kP2 = 14029467366897019727ULL,
@@ -243,8 +221,10 @@ uint32_t plan_checksum(const Bytes& data, size_t start) {
   return static_cast<uint32_t>(xxh64(data.data() + start, data.shape(0) - start, 0));
 }
 
-// The range checks of plan_body on the body in place (no copy): the reader's arrays are views
-// of the buffer the ring copied the entry into.
+// The int32 body of an encoded plan (afore/scheduler/plan_codec.py), checked in place (no copy):
+// every value a worker indexes with, counts (demand, assignment, tiles) >= 0, slots in
+// [-1, k_max), copies' expert < E, workers < F, slot < k_max. The reader's arrays are views of
+// the buffer the ring copied the entry into.
 void check_plan_body(const Bytes& data, size_t offset, int64_t e, int64_t f, int64_t c, int64_t k_max) {
   const int64_t ef = e * f, counts = e + 2 * ef, n = counts + ef + f + 4 * c;
   const size_t size = data.shape(0);
@@ -388,12 +368,8 @@ NB_MODULE(_scheduler_core, m) {
         "uint32: the low 32 bits of XXH64 (seed 0) of data[start:] (uint8[n]): the plan checksum.");
   m.def("check_plan_body", &check_plan_body, "data"_a, "offset"_a, "num_experts"_a, "num_workers"_a,
         "num_copies"_a, "k_max"_a,
-        "The range checks of plan_body on data[offset:] (uint8[n], 4-byte aligned body) in place, "
+        "The range checks of the plan body on data[offset:] (uint8[n], 4-byte aligned) in place, "
         "without a copy (plan_codec.decode_worker_plan). Raises ValueError.");
-  m.def("plan_body", &plan_body, "data"_a, "offset"_a, "num_experts"_a, "num_workers"_a, "num_copies"_a,
-        "k_max"_a,
-        "int32[E + 3 E F + F + 4 C]: the body of an encoded plan, copied out of data[offset:] and "
-        "range-checked in one pass (plan_codec.decode_worker_plan). Raises ValueError.");
   m.doc() = "AFORE Algorithm 1 (C++ core); use afore.scheduler.core.schedule.";
   nb::class_<afore::Scheduler>(m, "Scheduler",
                                "Planner for one cluster shape; holds preallocated scratch. "

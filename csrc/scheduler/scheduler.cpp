@@ -115,6 +115,7 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   bfs_via_copy_.assign(F_, 0);
   bfs_seen_.assign(F_, 0);
   bfs_pending_.assign(F_, 0);
+  push_from_.assign(F_, -1);
   bfs_expanded_.assign(E_, 0);
   remainder_.assign(F_, 0);
   lr_workers_.assign(F_, 0);
@@ -688,24 +689,7 @@ void Scheduler::search_beyond(const ScheduleInputs& in, double f0, int64_t level
     }
     if (hops_made + n_hops > max_hops_) break;  // moves_ never grows past its reservation
     hops_made += n_hops;
-    for (int32_t i = 0; i < n_hops; ++i) {
-      const Hop hop = chain_[i];
-      int32_t old = -1;
-      if (hop.slot >= 0) {
-        old = binding_[hop.to * R_ + hop.slot];
-        reserved_[hop.to * R_ + hop.slot] = 1;
-        max_into = std::max(max_into, ++copies_into_[hop.to]);
-        ++n_copies;
-      }
-      const Move m{hop.expert, hop.from, hop.to, hop.slot, old, hop_tiles};
-      moves_.push_back(m);
-      redo_move(m);
-    }
-    // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
-    for (int32_t i = 0; i < n_hops; ++i) {
-      safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
-      safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
-    }
+    apply_chain(in, n_hops, hop_tiles, n_copies, max_into);
     const double exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
     const double gain = f0 - beta * static_cast<double>(load_[donors_[0]]) - exposed;
     if (gain > best_gain) {
@@ -747,24 +731,7 @@ bool Scheduler::search_level(const ScheduleInputs& in, double f0, int64_t level,
     }
     if (n_hops == 0 || n_hops > hops_left) return false;
     hops_left -= n_hops;
-    for (int32_t i = 0; i < n_hops; ++i) {
-      const Hop hop = chain_[i];
-      int32_t old = -1;
-      if (hop.slot >= 0) {
-        old = binding_[hop.to * R_ + hop.slot];
-        reserved_[hop.to * R_ + hop.slot] = 1;
-        max_into = std::max(max_into, ++copies_into_[hop.to]);
-        ++n_copies;
-      }
-      const Move m{hop.expert, hop.from, hop.to, hop.slot, old, q};
-      moves_.push_back(m);
-      redo_move(m);
-    }
-    if (budget > 0)  // only the hops' workers changed tiles, binding or reservation
-      for (int32_t i = 0; i < n_hops; ++i) {
-        safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
-        safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
-      }
+    apply_chain(in, n_hops, q, n_copies, max_into);
   }
   exposed = std::max(0.0, static_cast<double>(max_into) * in.copy_ms - in.window_ms);
   gain = f0 - in.beta_tile_ms * static_cast<double>(load_[donors_[0]]) - exposed;
@@ -923,27 +890,12 @@ bool Scheduler::find_level_path(const ScheduleInputs& in, int32_t h, int64_t exc
         }
       }
     }
-    if (copy_to < 0) return false;
+    if (copy_to < 0) return find_push_path(in, excess, level, n, n_hops, q);
     last = copy_from;
   }
-  int32_t len = 0;
-  for (int32_t v = last; bfs_parent_[v] >= 0; v = bfs_parent_[v]) ++len;
+  const int32_t len = placement_path_length(last);
   n_hops = len + (copy_to >= 0 ? 1 : 0);
-  int64_t amount = excess;
-  for (int32_t v = last; bfs_parent_[v] >= 0; v = bfs_parent_[v]) {
-    const int32_t u = bfs_parent_[v];
-    // The expert with the most tiles on u among those with a replica on v (ties: lower index).
-    const int32_t* on = &on_[u * E_];
-    int32_t best = -1;
-    for (int32_t j = 0; j < on_count_[u]; ++j) {
-      const int32_t x = on[j];
-      const int32_t t = tiles_[x * F_ + u];
-      if (t <= theta || !has_[x * F_ + v]) continue;
-      if (best < 0 || t > tiles_[best * F_ + u] || (t == tiles_[best * F_ + u] && x < best)) best = x;
-    }
-    chain_[--len] = Hop{best, u, v, -1};
-    amount = std::min<int64_t>(amount, tiles_[best * F_ + u]);
-  }
+  int64_t amount = std::min<int64_t>(excess, placement_hops(last, theta, len));
   int32_t end_worker = last;
   if (copy_to >= 0) {
     chain_[n_hops - 1] = Hop{copy_e, copy_from, copy_to, safe_slot_[copy_to]};
@@ -952,6 +904,131 @@ bool Scheduler::find_level_path(const ScheduleInputs& in, int32_t h, int64_t exc
   }
   q = std::min<int64_t>(amount, level - load_[end_worker]);
   return q > theta;
+}
+
+// algorithm.find_push_path: after the placement search of find_level_path (its n workers in
+// bfs_queue_[0, n), stamp bfs_stamp_, none below the level), a copy onto a worker with a safe
+// slot outside it that passes q tiles of its own on through existing replicas to a worker below
+// the level; hops to chain_[0, n_hops).
+bool Scheduler::find_push_path(const ScheduleInputs& in, int64_t excess, int64_t level,
+                               int32_t n, int32_t& n_hops, int64_t& q) {
+  const int64_t theta = in.theta;
+  const int64_t stamp = bfs_stamp_;
+  const int32_t reached = n;
+  for (int32_t c = 0; c < F_; ++c) {  // copy targets in increasing index, parent -1
+    if (bfs_seen_[c] == stamp || safe_slot_[c] < 0) continue;
+    for (int32_t i = 0; i < reached; ++i)
+      if (has_copy_edge(bfs_queue_[i], c, theta)) {
+        push_from_[c] = bfs_queue_[i];
+        bfs_parent_[c] = -1;
+        bfs_queue_[n++] = c;
+        break;
+      }
+  }
+  for (int32_t i = reached; i < n; ++i) bfs_seen_[bfs_queue_[i]] = stamp;
+  int32_t begin = reached, end = n, last = -1;
+  while (begin < end) {
+    for (int32_t i = begin; i < end; ++i) {  // sorted: the first minimum has the lowest index
+      const int32_t v = bfs_queue_[i];
+      if (level - load_[v] > theta && (last < 0 || load_[v] < load_[last])) last = v;
+    }
+    if (last >= 0) break;
+    for (int32_t i = begin; i < end; ++i) {
+      const int32_t u = bfs_queue_[i];
+      const int32_t* on = &on_[u * E_];
+      for (int32_t j = 0; j < on_count_[u]; ++j) {
+        const int32_t x = on[j];
+        if (tiles_[x * F_ + u] <= theta || bfs_expanded_[x] == stamp) continue;
+        bfs_expanded_[x] = stamp;
+        const int32_t* reps = &rep_[x * F_];
+        for (int32_t k = 0; k < rep_count_[x]; ++k) {
+          const int32_t v = reps[k];
+          if (bfs_seen_[v] == stamp) continue;
+          bfs_seen_[v] = stamp;
+          bfs_parent_[v] = u;
+          bfs_queue_[n++] = v;
+        }
+      }
+    }
+    std::sort(bfs_queue_.begin() + end, bfs_queue_.begin() + n);
+    begin = end;
+    end = n;
+  }
+  if (last < 0) return false;
+  // last <- ... <- c (parent -1) <-copy- u <- ... <- h
+  const int32_t after = placement_path_length(last);
+  int32_t c = last;
+  while (bfs_parent_[c] >= 0) c = bfs_parent_[c];
+  const int32_t u = push_from_[c];
+  const int32_t before = placement_path_length(u);
+  n_hops = before + 1 + after;
+  // The expert with the most tiles on u and no replica on c (ties: lower index).
+  const int32_t* on = &on_[u * E_];
+  int32_t e = -1;
+  for (int32_t j = 0; j < on_count_[u]; ++j) {
+    const int32_t x = on[j];
+    const int32_t t = tiles_[x * F_ + u];
+    if (t <= theta || has_[x * F_ + c]) continue;
+    if (e < 0 || t > tiles_[e * F_ + u] || (t == tiles_[e * F_ + u] && x < e)) e = x;
+  }
+  int64_t amount = std::min<int64_t>(excess, tiles_[e * F_ + u]);
+  amount = std::min<int64_t>(amount, placement_hops(last, theta, n_hops));  // c -> .. -> last
+  amount = std::min<int64_t>(amount, placement_hops(u, theta, before));     // h -> .. -> u
+  chain_[before] = Hop{e, u, c, safe_slot_[c]};
+  q = std::min<int64_t>(amount, level - load_[last]);
+  return q > theta;
+}
+
+// Hops along bfs_parent_ from the path's root (parent -1) to v.
+int32_t Scheduler::placement_path_length(int32_t v) const {
+  int32_t len = 0;
+  for (; bfs_parent_[v] >= 0; v = bfs_parent_[v]) ++len;
+  return len;
+}
+
+// The hops of the placement path to v (algorithm.placement_hops) into chain_[end - length, end),
+// each moving the expert with the most tiles on u and a replica on v (ties: lower index);
+// returns the smallest of their N[e, u] (INT64_MAX for no hop).
+int64_t Scheduler::placement_hops(int32_t v, int64_t theta, int32_t end) {
+  int64_t amount = std::numeric_limits<int64_t>::max();
+  for (; bfs_parent_[v] >= 0; v = bfs_parent_[v]) {
+    const int32_t u = bfs_parent_[v];
+    const int32_t* on = &on_[u * E_];
+    int32_t best = -1;
+    for (int32_t j = 0; j < on_count_[u]; ++j) {
+      const int32_t x = on[j];
+      const int32_t t = tiles_[x * F_ + u];
+      if (t <= theta || !has_[x * F_ + v]) continue;
+      if (best < 0 || t > tiles_[best * F_ + u] || (t == tiles_[best * F_ + u] && x < best)) best = x;
+    }
+    chain_[--end] = Hop{best, u, v, -1};
+    amount = std::min<int64_t>(amount, tiles_[best * F_ + u]);
+  }
+  return amount;
+}
+
+// algorithm.apply_hops: the hops chain_[0, n_hops) of one step of stage 3 or 3b, `tiles` each,
+// logged to moves_; a hop with a slot reserves it and counts a copy into its worker.
+void Scheduler::apply_chain(const ScheduleInputs& in, int32_t n_hops, int64_t tiles,
+                            int64_t& n_copies, int64_t& max_into) {
+  for (int32_t i = 0; i < n_hops; ++i) {
+    const Hop hop = chain_[i];
+    int32_t old = -1;
+    if (hop.slot >= 0) {
+      old = binding_[hop.to * R_ + hop.slot];
+      reserved_[hop.to * R_ + hop.slot] = 1;
+      max_into = std::max(max_into, ++copies_into_[hop.to]);
+      ++n_copies;
+    }
+    const Move m{hop.expert, hop.from, hop.to, hop.slot, old, tiles};
+    moves_.push_back(m);
+    redo_move(m);
+  }
+  // Only the workers of the hops (binding, reservation, tiles) changed their safe slot.
+  for (int32_t i = 0; i < n_hops; ++i) {
+    safe_slot_[chain_[i].from] = safe_slot(chain_[i].from, in);
+    safe_slot_[chain_[i].to] = safe_slot(chain_[i].to, in);
+  }
 }
 
 // Apply one logged move: rebind the slot (if any) to its expert, then move the tiles.

@@ -89,6 +89,12 @@ class Scheduler {
                        bool copy, int32_t& e, int32_t& c, int32_t& r, int64_t& q);
   bool find_level_path(const ScheduleInputs& in, int32_t h, int64_t excess, int64_t level,
                        bool copy, int32_t& n_hops, int64_t& q);
+  bool find_push_path(const ScheduleInputs& in, int64_t excess, int64_t level, int32_t n,
+                      int32_t& n_hops, int64_t& q);
+  int32_t placement_path_length(int32_t v) const;
+  int64_t placement_hops(int32_t v, int64_t theta, int32_t end);
+  void apply_chain(const ScheduleInputs& in, int32_t n_hops, int64_t tiles, int64_t& n_copies,
+                   int64_t& max_into);
   void redo_move(const Move& m);
   void undo_moves(size_t keep);
   int32_t safe_slot(int32_t c, const ScheduleInputs& in) const;
@@ -157,6 +163,7 @@ class Scheduler {
   std::vector<uint8_t> bfs_via_copy_; // [F] the hop into the worker is the copy
   std::vector<int64_t> bfs_seen_;     // [F] stamp of the search that visited the worker
   std::vector<int32_t> bfs_pending_;  // [F] workers with a safe slot not visited yet
+  std::vector<int32_t> push_from_;    // [F] find_push_path: the worker a copy target's copy comes from
   std::vector<int64_t> bfs_expanded_; // [E] stamp of the search that expanded the expert's replicas
   int64_t bfs_stamp_ = 0;
   std::vector<int64_t> remainder_;    // [F] scratch for largest remainder
