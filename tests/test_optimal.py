@@ -173,8 +173,9 @@ def test_greedy_reaches_the_optimum_on_cold_slot_tables(seed):
 
 
 def test_greedy_is_within_one_tile_of_the_optimum_on_bursts_and_mostly_optimal():
-    # Bursts on a warm pool (protected slots, previous assignment): one known miss (seed 1, E=256,
-    # F=16, R=1: 30 vs 29, every light worker's single slot holds a protected replica).
+    # Bursts on a warm pool (protected slots, previous assignment). Seed 1 (E=256, F=16, R=1, every
+    # light worker's single slot holding a protected replica) was 30 vs 29 until stage 3b's push
+    # path (a copy onto a worker at the level that passes its own tiles on through a replica).
     seeds = [s for s in range(40) if _holdout("burst", s)[0].num_workers <= 32]
     optimal = 0
     for seed in seeds:
