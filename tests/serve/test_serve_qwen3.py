@@ -5,7 +5,8 @@ is started once and shared by the tests of this module, in order: every policy (
 the running server) is token-identical with close logprobs, 32 concurrent requests complete,
 malformed requests get 4xx without disturbing others, a killed scheduler leaves serving
 correct, and a killed FFN worker fails requests fast and turns /health non-200. The A2F/F2A
-path is the torch.distributed connector (gloo) with ``afore ffn-worker`` processes.
+path is the shm transport (the CPU default) with ``afore ffn-worker`` processes; ``--exact``
+(a row per token-expert pair back, summed on the attention side) is served once too.
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ def a2f2(model, want, log_dir):
     server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a2f2.log"), attn_workers=2, ffn_workers=2)
     yield server
     server.stop()
+
+
+def test_exact_token_identical_with_plans_and_copies(model, want, log_dir):
+    """``afore serve --exact`` through vLLM's attention plugin: the FFN workers reply a row per
+    pair and the attention worker sums them (afore.ffn.exact; on CPU its torch reference); under
+    the afore policy, with the scheduler's plans used and copies made."""
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-exact.log"), policy="afore", extra=["--exact"])
+    try:
+        assert_same_generation(server.greedy(), want)
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert code == 200
+        for w in range(2):
+            assert _metric(text, f'afore_ffn_targets_total{{worker="{w}"}}') > 0
+        assert _metric(text, 'afore_ffn_plans_total{outcome="used"') > 0
+        assert _metric(text, "afore_ffn_copies_total") > 0
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
