@@ -827,6 +827,31 @@ bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t exc
   return true;
 }
 
+// One level of the hop search: from the workers bfs_queue_[begin, end), through every expert
+// they hold more than theta tiles of, to its other replicas not seen yet in this search (stamp);
+// appends them from n on, sorted (the first minimum then has the lowest index), returns the new n.
+int32_t Scheduler::expand_level(int32_t begin, int32_t end, int32_t n, int64_t theta, int64_t stamp) {
+  for (int32_t i = begin; i < end; ++i) {
+    const int32_t u = bfs_queue_[i];
+    const int32_t* on = &on_[u * E_];
+    for (int32_t j = 0; j < on_count_[u]; ++j) {
+      const int32_t x = on[j];
+      if (tiles_[x * F_ + u] <= theta || bfs_expanded_[x] == stamp) continue;
+      bfs_expanded_[x] = stamp;  // every replica of x is visited from here on
+      const int32_t* reps = &rep_[x * F_];
+      for (int32_t k = 0; k < rep_count_[x]; ++k) {
+        const int32_t v = reps[k];
+        if (bfs_seen_[v] == stamp) continue;
+        bfs_seen_[v] = stamp;
+        bfs_parent_[v] = u;
+        bfs_queue_[n++] = v;
+      }
+    }
+  }
+  std::sort(bfs_queue_.begin() + end, bfs_queue_.begin() + n);
+  return n;
+}
+
 // algorithm.find_level_path: a path of hops from h through existing replicas to a worker below
 // the level, or (copy) ending in a new replica; hops to chain_[0, n_hops), q tiles each.
 bool Scheduler::find_level_path(const ScheduleInputs& in, int32_t h, int64_t excess,
@@ -839,24 +864,7 @@ bool Scheduler::find_level_path(const ScheduleInputs& in, int32_t h, int64_t exc
   bfs_queue_[n++] = h;
   int32_t begin = 0, end = n, last = -1;
   while (begin < end && last < 0) {
-    for (int32_t i = begin; i < end; ++i) {
-      const int32_t u = bfs_queue_[i];
-      const int32_t* on = &on_[u * E_];
-      for (int32_t j = 0; j < on_count_[u]; ++j) {
-        const int32_t x = on[j];
-        if (tiles_[x * F_ + u] <= theta || bfs_expanded_[x] == stamp) continue;
-        bfs_expanded_[x] = stamp;  // every replica of x is visited from here on
-        const int32_t* reps = &rep_[x * F_];
-        for (int32_t k = 0; k < rep_count_[x]; ++k) {
-          const int32_t v = reps[k];
-          if (bfs_seen_[v] == stamp) continue;
-          bfs_seen_[v] = stamp;
-          bfs_parent_[v] = u;
-          bfs_queue_[n++] = v;
-        }
-      }
-    }
-    std::sort(bfs_queue_.begin() + end, bfs_queue_.begin() + n);
+    n = expand_level(begin, end, n, theta, stamp);
     for (int32_t i = end; i < n; ++i) {
       const int32_t v = bfs_queue_[i];
       if (level - load_[v] > theta && (last < 0 || load_[v] < load_[last])) last = v;
@@ -933,24 +941,7 @@ bool Scheduler::find_push_path(const ScheduleInputs& in, int64_t excess, int64_t
       if (level - load_[v] > theta && (last < 0 || load_[v] < load_[last])) last = v;
     }
     if (last >= 0) break;
-    for (int32_t i = begin; i < end; ++i) {
-      const int32_t u = bfs_queue_[i];
-      const int32_t* on = &on_[u * E_];
-      for (int32_t j = 0; j < on_count_[u]; ++j) {
-        const int32_t x = on[j];
-        if (tiles_[x * F_ + u] <= theta || bfs_expanded_[x] == stamp) continue;
-        bfs_expanded_[x] = stamp;
-        const int32_t* reps = &rep_[x * F_];
-        for (int32_t k = 0; k < rep_count_[x]; ++k) {
-          const int32_t v = reps[k];
-          if (bfs_seen_[v] == stamp) continue;
-          bfs_seen_[v] = stamp;
-          bfs_parent_[v] = u;
-          bfs_queue_[n++] = v;
-        }
-      }
-    }
-    std::sort(bfs_queue_.begin() + end, bfs_queue_.begin() + n);
+    n = expand_level(begin, end, n, theta, stamp);
     begin = end;
     end = n;
   }

@@ -87,6 +87,7 @@ class Scheduler {
   int32_t sort_movable(int32_t u, int64_t theta);
   bool find_level_move(const ScheduleInputs& in, int32_t h, int64_t excess, int64_t level,
                        bool copy, int32_t& e, int32_t& c, int32_t& r, int64_t& q);
+  int32_t expand_level(int32_t begin, int32_t end, int32_t n, int64_t theta, int64_t stamp);
   bool find_level_path(const ScheduleInputs& in, int32_t h, int64_t excess, int64_t level,
                        bool copy, int32_t& n_hops, int64_t& q);
   bool find_push_path(const ScheduleInputs& in, int64_t excess, int64_t level, int32_t n,
