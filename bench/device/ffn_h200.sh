@@ -14,5 +14,8 @@ export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ffn/test_step_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+# --exact against vLLM's own fused_experts, bit for bit (needs the bundle: ffn_e2e_cuda.sh may run before it)
+[ -d /tmp/site/vllm ] && timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -k "cuda and True" \
+  tests/transport/test_ffn_end_to_end.py 2>&1 | tee -a "$OUT/gpu_tests.log"
 timeout 270 python3 -c 'import sys; sys.argv[0] = "afore"; from afore.cli import main; sys.exit(main(sys.argv[1:]))' \
   bench dataplane --part ffn --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
