@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Runs afore's GPU/host benchmarks on a lent H200 machine (Python 3.12, torch, triton, nanobind,
-# no package registry). Carries: .whl (cp312 wheels of msgspec), .devcarry/tinyq (a tiny checkpoint
-# made here by afore.models.tiny). Builds the C++ extensions in place with plain cmake, then runs
-# the parts named in $PARTS, writing reports under $OUT.
-#   PARTS="migration nccl" bash bench/device/h200.sh    (migration, nccl: 2 GPUs)
+# no package registry), staged by bench/device/stage.sh (carried wheels, C++ build). The nccl part
+# also carries .devcarry/tinyq (a tiny checkpoint made here by afore.models.tiny). Runs the parts
+# named in $PARTS, writing reports under $OUT:
+#   transport: demand mailbox and plan ring latency, plan decode on the reader (issue 13, item 3)
+#   scheduler: the C++ core's plan latency on one core of this host (issue 13, item 4; synthetic
+#              traces: ../shared/traces does not travel; no MILP, no policies)
+#   migration, nccl: copy engine and NCCL worker benches (nccl: 2 GPUs)
+#   PARTS="transport scheduler" bash bench/device/h200.sh
 set -euo pipefail
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-cmake -S . -B /tmp/afore-build -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v python3)" > /tmp/cmake.log
-cmake --build /tmp/afore-build -j 16 > /tmp/build.log
-cp /tmp/afore-build/_*.so afore/
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+source bench/device/stage.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in ${PARTS:-transport migration nccl}; do
   case "$part" in
     transport) python3 -m afore.bench.transport --producers 4 --readers 8 --experts 128 --iters 10000 \
                  --name transport_h200 --out-dir "$OUT" ;;
+    scheduler) taskset -c 1 python3 -m afore.cli bench scheduler --no-policies --holdout 0 --time-limit 1 \
+                 --out-dir "$OUT" ;;
     migration) python3 -m afore.bench.migration --out-dir "$OUT" ;;
     nccl) python3 -m afore.bench.migration --parts worker --worker-backends nccl,gloo,ffn-node \
             --model .devcarry/tinyq --name migration_worker_h200x2 --out-dir "$OUT" ;;
