@@ -510,8 +510,12 @@ class ShmFFNEnd:
             if g == self.ffn_rank:
                 continue
             index = g * 2 + slot
-            while (int(seg.votes[g, slot]) >> 1) << 1 != word:
+            while True:
+                # one read serves the test and the futex's expected value: a vote stored between two
+                # reads would leave the wait sleeping on the new value until poll_s (a lost wake-up)
                 cur = int(seg.votes[g, slot])
+                if (cur >> 1) << 1 == word:
+                    break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"agree: FFN worker {g} did not vote on target {v} within {self.timeout_s} s")
                 _futex_wait(seg.addr("votes", index, 4), cur, self.poll_s)

@@ -122,6 +122,42 @@ def test_agreement_is_unanimous_on_every_worker():
         seg.close()
 
 
+class _VoteLandsAfterTheRead:
+    """``seg.votes`` whose first read of worker ``other``'s slot returns the empty word and then
+    stores that worker's vote (True): the vote lands just after the reader looked."""
+
+    def __init__(self, real, other: int, word: int) -> None:
+        self.real, self.other, self.word, self.fired = real, other, word, False
+
+    def __getitem__(self, key):
+        value = self.real[key]
+        if key == (self.other, 0) and not self.fired:
+            self.fired = True
+            self.real[key] = self.word
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        self.real[key] = value
+
+
+def test_agree_sees_a_vote_that_lands_between_its_reads():
+    # a vote stored right after the reader's check must end its futex wait at once (the value it
+    # waits on already changed), not after poll_s: that lost wake-up cost 200 ms per target
+    layout = ShmLayout(num_attention=1, num_ffn=2, hidden=H, top_k=K, max_tokens=4, depth=2)
+    name = _name("agree-race")
+    seg = ShmSegment.create(name, layout)
+    try:
+        end = ShmFFNEnd(name, layout, 0, timeout_s=120, poll_s=30.0)
+        end.seg.votes = _VoteLandsAfterTheRead(end.seg.votes, other=1, word=(1 << 1) | 1)
+        t0 = time.monotonic()
+        assert end.agree(True) is True
+        assert end.seg.votes.fired
+        assert time.monotonic() - t0 < 10.0, "agree slept out its poll interval: the vote's wake-up was lost"
+        end.close()
+    finally:
+        seg.close()
+
+
 @pytest.mark.parametrize("reaped", [True, False])
 def test_dead_ffn_worker_fails_the_exchange_at_once(reaped):
     """Also while the dead worker is a zombie (its parent has not reaped it yet: kill(0) still
