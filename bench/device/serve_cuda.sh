@@ -24,7 +24,8 @@ LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-48}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LA
 # one afore server per variant: a transport, "+exact" for --exact, "+nopace" for copies at full rate (no pacing kernels
 # on the FFN workers' side streams: with several processes on one GPU, a kernel of one process
 # waits for another's time slice)
-VARIANTS=${VARIANTS:-shm torch-gloo torch-gloo+nopace}
+VARIANTS=${VARIANTS:-shm shm+nopace torch-gloo+nopace}
+DATASETS=${DATASETS:-gsm8k sharegpt}
 t0=$(date +%s)
 [ -f "$MODEL/config.json" ] || python3 - "$MODEL" "$LAYERS" <<'PY'
 import sys
@@ -71,7 +72,7 @@ if [ -x $spy ]; then
   ps -o pid,ppid,args --forest -g "$(ps -o sid= -p "${pids[1]}" | tr -d ' ')" > "$OUT/pyspy-processes.txt" 2>&1
 fi
 rc=0
-for ds in gsm8k sharegpt; do
+for ds in $DATASETS; do
   path=.devcarry/bench-data/$([ $ds = gsm8k ] && echo gsm8k.jsonl || echo sharegpt_head.json)
   python3 -m afore.cli bench serve --servers "$servers" --dataset $ds --dataset-path "$path" --num-prompts "$PROMPTS" \
     --concurrency 8 --max-tokens 128 --name serve_cuda_$ds --out "$OUT" --note "$note" || rc=1
