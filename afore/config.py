@@ -98,6 +98,11 @@ class ClusterShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Raises ValueError naming the field and the expectation on wrong length,
         non-integer, NaN or negative counts.
         """
+        if isinstance(demand, np.ndarray) and demand.dtype == np.int64 and demand.shape == (self.num_experts,):
+            # the mailbox's and the FFN side's demand: only the sign to check (hot path: 2 numpy calls)
+            if demand.size and demand.min() < 0:
+                raise ValueError(f"{field}: expected non-negative counts, got min {int(demand.min())}")
+            return demand.copy()
         arr = np.asarray(demand)
         if arr.ndim != 1 or arr.shape[0] != self.num_experts:
             raise ValueError(f"{field}: expected a vector of length {self.num_experts} (num_experts), got shape {arr.shape}")

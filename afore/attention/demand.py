@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from afore.routing import count_demand
+from afore.routing import count_demand, count_host
 from afore.plan import Target
 
 log = logging.getLogger("afore.attention")
@@ -107,18 +107,20 @@ class DemandEmitter:
     def emit(self, step: int, layer: int, microbatch: int, seq: int, topk_ids: torch.Tensor) -> None:
         if self._mailbox is None:
             return
-        counts = count_demand(topk_ids, self.num_experts)
         target = Target(step, layer, microbatch)
-        if counts.device.type == "cuda":
-            host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            host.copy_(counts, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._enqueue((target, seq, host, event))
-        elif self._remote:  # the network never runs on the forward path
-            self._enqueue((target, seq, counts, None))
-        else:
-            self._put(target, seq, counts.numpy())
+        if topk_ids.device.type == "cpu":  # int32 counts in numpy: what the mailbox stores, no torch op
+            counts = count_host(topk_ids.numpy(), self.num_experts, np.int32)
+            if self._remote:  # the network never runs on the forward path
+                self._enqueue((target, seq, counts, None))
+            else:
+                self._put(target, seq, counts)
+            return
+        counts = count_demand(topk_ids, self.num_experts)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._enqueue((target, seq, host, event))
 
     def _put(self, target: Target, seq: int, counts: np.ndarray) -> None:
         try:
@@ -149,4 +151,4 @@ class DemandEmitter:
             target, seq, host, event = self._queue.get()
             if event is not None:
                 event.synchronize()
-            self._put(target, seq, host.numpy())
+            self._put(target, seq, host.numpy() if isinstance(host, torch.Tensor) else host)

@@ -21,6 +21,8 @@ Entries e >= E are (0, 0, -1); ids outside [0, E) run nowhere (the step masks th
 from __future__ import annotations
 
 import collections
+import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,7 +43,8 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
 
     plan.assignment: int[E, F] a[e, w]; plan.slot: int[E, F] sigma[e, w]. Every expert that
     this worker runs must be bound to a slot in [0, num_slots), and each primary of this worker
-    to its fixed slot.
+    to its fixed slot. On every plan of every worker: a few whole-array numpy calls, the
+    per-shape constants cached (``_WorkerConstants``).
     """
     e, f = shape.num_experts, shape.num_workers
     a = np.asarray(plan.assignment)
@@ -49,42 +52,60 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
     for name, arr in (("assignment", a), ("slot", s)):
         if arr.shape != (e, f):
             raise ValueError(f"plan.{name}: expected shape ({e}, {f}), got {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype.kind not in "iu":
             raise ValueError(f"plan.{name}: expected integers, got {arr.dtype}")
-    if np.any(a < 0):
+    c = _worker_constants(shape, worker)
+    non_primary = a.astype(np.int64, order="C")  # a copy (C order: zeroed through a flat view)
+    if e and non_primary.min() < 0:
         raise ValueError(f"plan.assignment: expected counts >= 0, got {int(a.min())}")
-    a = a.astype(np.int64)
-    owner = shape.primary_owner
-    rows = np.arange(e)
-    non_primary = a.copy()
-    non_primary[rows, owner] = 0
+    non_primary.reshape(-1)[c.primary_flat] = 0
     hi_all = np.cumsum(non_primary, axis=1)
-    if hi_all.size and int(hi_all[:, -1].max()) >= INT32_MAX:
+    total = hi_all[:, -1]
+    if e and int(total.max()) >= INT32_MAX:
         raise ValueError(f"plan.assignment: expected fewer than {INT32_MAX} pairs per expert")
-    lo = (hi_all - non_primary)[:, worker]
-    hi = hi_all[:, worker].copy()
-    mine_primary = owner == worker
-    lo[mine_primary] = hi_all[mine_primary, -1]
-    hi[mine_primary] = INT32_MAX
+    hi = hi_all[:, worker]
+    lo = np.where(c.mine_primary, total, hi - non_primary[:, worker])
+    hi = np.where(c.mine_primary, INT32_MAX, hi)
     slot = s[:, worker].astype(np.int64)
     works = hi > lo
-    bad = works & ((slot < 0) | (slot >= num_slots))
-    if np.any(bad):
+    # negative slots wrap to huge unsigned ones: one comparison covers both ends
+    bad = works & (slot.view(np.uint64) >= num_slots)
+    if bad.any():
         ex = int(np.nonzero(bad)[0][0])
         raise ValueError(f"plan.slot: expert {ex} runs on worker {worker} but is bound to slot {int(slot[ex])}, "
                          f"outside [0, {num_slots})")
-    wrong = mine_primary & (slot != shape.primary_slot)
-    if np.any(wrong):
+    wrong = c.mine_primary & (slot != c.primary_slot)
+    if wrong.any():
         ex = int(np.nonzero(wrong)[0][0])
         raise ValueError(f"plan.slot: primary {ex} of worker {worker} is bound to slot {int(slot[ex])}, "
-                         f"not its fixed slot {int(shape.primary_slot[ex])}")
-    ep = table_width(e)
-    table = np.zeros(3 * ep + 1, np.int32)
-    table[2 * ep: 3 * ep] = -1
+                         f"not its fixed slot {int(c.primary_slot[ex])}")
+    ep = c.width
+    table = c.template.copy()
     table[:e] = np.where(works, lo, 0)
     table[ep: ep + e] = np.where(works, hi, 0)
     table[2 * ep: 2 * ep + e] = np.where(works, slot, -1)
     return table
+
+
+class _WorkerConstants(NamedTuple):
+    primary_flat: np.ndarray  # int64[E]: flat index e * F + owner[e] of each primary in an [E, F] array
+    mine_primary: np.ndarray  # bool[E]: e's primary is this worker
+    primary_slot: np.ndarray  # int64[E]
+    width: int                # EP
+    template: np.ndarray      # int32[3*EP + 1]: the table of a worker that runs nothing
+
+
+@functools.lru_cache(maxsize=256)
+def _worker_constants(shape: ClusterShape, worker: int) -> _WorkerConstants:
+    owner = shape.primary_owner
+    ep = table_width(shape.num_experts)
+    template = np.zeros(3 * ep + 1, np.int32)
+    template[2 * ep: 3 * ep] = -1
+    out = _WorkerConstants(np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + owner, owner == worker,
+                           shape.primary_slot, ep, template)
+    for arr in (out.primary_flat, out.mine_primary, out.primary_slot, out.template):
+        arr.flags.writeable = False
+    return out
 
 
 class DevicePlan:

@@ -39,7 +39,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from afore.config import ClusterShape
-from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWindow, primary_only_tile_load, tile_imbalance
+from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWindow, load_stats, primary_only_tile_load
 from afore.migrator.migrator import MigrationRecord
 
 # 1 us .. 10 s: a CPU test's stage is ~ms, an H200's copy ~100 us, a stuck transport seconds
@@ -171,20 +171,18 @@ class FFNMetrics:
         """Imbalance of ``plan`` and of the primary-only placement of the same demand, at its layer."""
         if self.shape is None:
             raise ValueError("shape: FFNMetrics needs the ClusterShape to record balance (FFNMetrics(worker, shape))")
-        loads = (("plan", np.asarray(plan.tile_load)),
-                 ("primary_only", primary_only_tile_load(self.shape, plan.demand)))
         layer = plan.target.layer
-        for placement, load in loads:
-            factor = tile_imbalance(load)
-            if factor is None:
+        for placement, load in (("plan", plan.tile_load), ("primary_only", primary_only_tile_load(self.shape, plan.demand))):
+            load_max, total, size = load_stats(np.asarray(load))
+            if total <= 0:  # no tile anywhere: no factor (tile_imbalance's None)
                 continue
             key = (layer, placement)
             children = self._balance_children.get(key)
             if children is None:  # .labels() costs a lock and a dict walk: once per (layer, placement)
                 children = self._balance_children[key] = (self._imbalance.labels(str(layer), placement),
                                                           self._imbalance_window.labels(str(layer), placement))
-            children[0].observe(factor)
-            children[1].set(self._window.add(key, load))
+            children[0].observe(load_max * size / total)
+            children[1].set(self._window.add_stats(key, load_max, total, size))
 
     # ---- views
     def value(self, name: str, **labels: str) -> float:

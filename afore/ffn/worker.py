@@ -43,7 +43,7 @@ from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
 from afore.ffn.stages import ffn_trace
-from afore.routing import count_demand
+from afore.routing import count_demand, count_host
 from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
@@ -288,7 +288,7 @@ class FFNWorker:
         ids = mb.topk_ids if mb.topk_ids.device.type == "cpu" else mb.host_topk_ids
         if ids is None:
             return None
-        return count_demand(ids, self.shape.num_experts).numpy()
+        return count_host(ids.numpy(), self.shape.num_experts)
 
     def _accept(self, plan: Plan, mb: Microbatch) -> bool:
         """Validate ``plan`` for ``mb`` and submit its copies (Migrator.prepare), then stage it on

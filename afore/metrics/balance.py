@@ -31,6 +31,14 @@ def tile_imbalance(tile_load: np.ndarray) -> float | None:
     return float(load.max() * load.size / total)
 
 
+def load_stats(tile_load: np.ndarray) -> tuple[float, float, int]:
+    """(max, total, F) of ``tile_load`` (int[F], non-empty) in Python numbers: a metrics call per
+    target needs all three, and F is small (one list beats three numpy reductions)."""
+    values = tile_load.tolist() if isinstance(tile_load, np.ndarray) else list(tile_load)
+    assert values, "tile_load: expected a non-empty vector"
+    return float(max(values)), float(sum(values)), len(values)
+
+
 def primary_only_tile_load(shape: ClusterShape, demand: np.ndarray) -> np.ndarray:
     """T_w of the primary-only placement: sum over the experts whose primary is w of
     ceil(demand[e] / m_tile). ``demand``: int[E] token-expert pairs per expert; returns int64[F]."""
@@ -52,9 +60,11 @@ class ImbalanceWindow:
 
     def add(self, key: object, tile_load: np.ndarray) -> float:
         """Add one target's ``tile_load`` (int[F], not all zero) under ``key``; returns the window's factor."""
-        load = np.asarray(tile_load)
+        return self.add_stats(key, *load_stats(np.asarray(tile_load)))
+
+    def add_stats(self, key: object, load_max: float, load_total: float, size: int) -> float:
+        """``add`` of a target given as ``load_stats`` (max, total > 0, F)."""
         # running sums of max and total (O(1) per target; exact for tile counts): mean = total / F
-        entry = (float(load.max()), float(load.sum()))
         recent = self._recent.get(key)
         if recent is None:
             recent = self._recent[key] = collections.deque(maxlen=self.size)
@@ -64,7 +74,7 @@ class ImbalanceWindow:
             old_max, old_total = recent[0]
             sums[0] -= old_max
             sums[1] -= old_total
-        recent.append(entry)
-        sums[0] += entry[0]
-        sums[1] += entry[1]
-        return sums[0] * load.size / sums[1]
+        recent.append((load_max, load_total))
+        sums[0] += load_max
+        sums[1] += load_total
+        return sums[0] * size / sums[1]

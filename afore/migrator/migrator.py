@@ -34,6 +34,7 @@ from afore.config import ClusterShape
 from afore.migrator.copy_engine import CopyBatch, CopyEngine, CopyJob
 from afore.migrator.slot_pool import SlotPool
 from afore.plan import Plan
+from afore.scheduler.plan_codec import DecodedPlan
 
 
 class WeightSource(Protocol):
@@ -89,7 +90,7 @@ class _Prepared:
     batches: list[CopyBatch]
     deferred: list[tuple[int, int, int]]  # (expert, src, slot) waiting for a reader's release
     submit_mark: object
-    reads: np.ndarray                     # redundant physical slots this plan reads on this worker
+    reads: list[tuple[int, int]]          # (redundant physical slot, expert) this plan reads on this worker
     copies: int
     bytes: int
 
@@ -116,6 +117,9 @@ class Migrator:
         self.engine = engine
         self.source = source
         self.num_primaries = int(shape.primary_counts[worker])
+        self._owner = shape.primary_owner.tolist()
+        self._primary_slot = shape.primary_slot
+        self._primary_flat = np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + shape.primary_owner
         r = shape.redundant_slots
         # Content of each redundant slot once every submitted / prepared copy has run.
         self.projected = {layer: pool.resident[self.num_primaries:].copy() for layer, pool in pools.items()}
@@ -132,47 +136,59 @@ class Migrator:
 
     def validate(self, plan: Plan, expected_seq: int | None = None, expected_target=None) -> str | None:
         """Why ``plan`` cannot be applied on this worker, or None if it can."""
+        return self._check(plan, expected_seq, expected_target)[0]
+
+    def _check(self, plan: Plan, expected_seq: int | None, expected_target) -> tuple[str | None, list[tuple[int, int]]]:
+        """(``validate``'s reason, [(slot, expert)] of the redundant slots this plan reads on this
+        worker, ascending by slot). Whole-array numpy calls, a handful per plan: it runs on every
+        plan of every worker."""
         if expected_seq is not None and plan.seq != expected_seq:
-            return f"seq: expected {expected_seq}, got {plan.seq}"
+            return f"seq: expected {expected_seq}, got {plan.seq}", []
         if expected_target is not None and plan.target != expected_target:
-            return f"target: expected {expected_target}, got {plan.target}"
+            return f"target: expected {expected_target}, got {plan.target}", []
         if plan.seq <= self.last_committed_seq or plan.seq in self.prepared:
-            return f"seq: {plan.seq} is stale (last committed {self.last_committed_seq})"
+            return f"seq: {plan.seq} is stale (last committed {self.last_committed_seq})", []
         if plan.target.layer not in self.pools:
-            return f"target.layer: {plan.target.layer} is not served by worker {self.worker}"
+            return f"target.layer: {plan.target.layer} is not served by worker {self.worker}", []
         e, f = self.shape.num_experts, self.shape.num_workers
-        for name in ("assignment", "slot", "replicas"):
+        # a decoded plan's replicas are its slot >= 0 by construction (computed only if asked for)
+        names = ("assignment", "slot") if isinstance(plan, DecodedPlan) else ("assignment", "slot", "replicas")
+        for name in names:
             if getattr(plan, name).shape != (e, f):
-                return f"{name}: expected shape ({e}, {f}), got {getattr(plan, name).shape}"
+                return f"{name}: expected shape ({e}, {f}), got {getattr(plan, name).shape}", []
         if plan.copies.ndim != 2 or plan.copies.shape[1] != 4:
-            return f"copies: expected shape (C, 4), got {plan.copies.shape}"
-        if not np.array_equal(plan.assignment.sum(axis=1), plan.demand):
-            return "assignment: rows do not sum to demand"
-        if np.any((plan.assignment > 0) & (plan.slot < 0)):
-            return "assignment: work on a worker without a slot binding"
-        owner = self.shape.primary_owner
-        rows = np.arange(e)
-        if not np.array_equal(plan.slot[rows, owner], self.shape.primary_slot):
-            return "slot: a primary is not at its fixed slot"
+            return f"copies: expected shape (C, 4), got {plan.copies.shape}", []
+        assignment, slot = plan.assignment, plan.slot
+        if plan.demand.shape != (e,) or (assignment.sum(axis=1) != plan.demand).any():
+            return "assignment: rows do not sum to demand", []
+        works = assignment > 0
+        if (works & (slot < 0)).any():
+            return "assignment: work on a worker without a slot binding", []
+        if (np.take(slot, self._primary_flat) != self._primary_slot).any():
+            return "slot: a primary is not at its fixed slot", []
         projected = self.projected[plan.target.layer].copy()
         k_w = self.num_primaries + self.shape.redundant_slots
+        owner = self._owner
         for ex, src, dst, s in plan.copies.tolist():
             if not (0 <= ex < e and 0 <= dst < f):
-                return f"copies: row ({ex}, {src}, {dst}, {s}) out of range"
+                return f"copies: row ({ex}, {src}, {dst}, {s}) out of range", []
             if src != owner[ex]:
-                return f"copies: expert {ex} copied from {src}, not its primary {owner[ex]}"
+                return f"copies: expert {ex} copied from {src}, not its primary {owner[ex]}", []
             if dst == self.worker:
                 if not self.num_primaries <= s < k_w:
-                    return f"copies: slot {s} is not a redundant slot of worker {dst}"
+                    return f"copies: slot {s} is not a redundant slot of worker {dst}", []
                 projected[s - self.num_primaries] = ex
-        mine = plan.slot[:, self.worker]
-        for ex in np.nonzero((mine >= self.num_primaries) & (plan.assignment[:, self.worker] > 0))[0]:
+        mine = slot[:, self.worker]
+        reads = []
+        for ex in np.flatnonzero((mine >= self.num_primaries) & works[:, self.worker]).tolist():
             s = int(mine[ex])
             if s >= k_w:
-                return f"slot: expert {ex} bound to slot {s} beyond K_w={k_w}"
+                return f"slot: expert {ex} bound to slot {s} beyond K_w={k_w}", []
             if projected[s - self.num_primaries] != ex:
-                return f"slot: expert {ex} on worker {self.worker} slot {s} is neither resident nor copied"
-        return None
+                return f"slot: expert {ex} on worker {self.worker} slot {s} is neither resident nor copied", []
+            reads.append((s, ex))
+        reads.sort()  # distinct slots: two experts in one slot cannot both match projected
+        return None, reads
 
     # ------------------------------------------------------------------ the three steps
 
@@ -180,7 +196,7 @@ class Migrator:
         """Validate ``plan`` and submit this worker's copies; False (and counted) if rejected."""
         if plan.seq in self.prepared:
             return True
-        reason = self.validate(plan, expected_seq, expected_target)
+        reason, reads = self._check(plan, expected_seq, expected_target)
         if reason is not None:
             self.rejected += 1
             self.last_rejection = reason
@@ -191,17 +207,16 @@ class Migrator:
         jobs: list[tuple[int, int, int]] = []
         deferred: list[tuple[int, int, int]] = []
         nbytes = 0
-        for ex, src, dst, s in plan.copies.tolist():
-            if dst != self.worker:
-                continue
-            r = s - self.num_primaries
-            self.projected[layer][r] = ex
-            nbytes += pool.bytes_per_expert
-            (deferred if self._earlier_readers(layer, s, plan.seq) else jobs).append((ex, src, s))
+        if len(plan.copies):
+            for ex, src, dst, s in plan.copies.tolist():
+                if dst != self.worker:
+                    continue
+                r = s - self.num_primaries
+                self.projected[layer][r] = ex
+                nbytes += pool.bytes_per_expert
+                (deferred if self._earlier_readers(layer, s, plan.seq) else jobs).append((ex, src, s))
         batches = [self._submit(layer, jobs)] if jobs else []
-        mine = plan.slot[:, self.worker]
-        reads = np.unique(mine[(mine >= self.num_primaries) & (plan.assignment[:, self.worker] > 0)])
-        for s in reads.tolist():
+        for s, _ in reads:
             self.readers[layer][s - self.num_primaries].add(plan.seq)
         self.prepared[plan.seq] = _Prepared(plan, batches, deferred, submit_mark, reads,
                                             len(jobs) + len(deferred), nbytes)
@@ -211,16 +226,15 @@ class Migrator:
         """Why ``commit(plan)`` would fail now (None: it will not): run before the FFN workers
         agree on the plan, so that a worker that cannot commit vetoes it for everyone instead
         of failing alone after the others committed."""
-        if plan.seq not in self.prepared:
+        state = self.prepared.get(plan.seq)
+        if state is None:
             return f"plan {plan.seq} was not prepared"
-        state = self.prepared[plan.seq]
         if state.deferred:
             return f"plan {plan.seq}: copies still deferred behind an unreleased reader"
-        pool = self.pools[plan.target.layer]
-        for s in state.reads.tolist():
-            expected = int(np.nonzero(plan.slot[:, self.worker] == s)[0][0])
-            if pool.resident[s] != expected:
-                return f"slot {s} holds expert {pool.resident[s]}, plan {plan.seq} expects {expected}"
+        resident = self.pools[plan.target.layer].resident
+        for s, expected in state.reads:
+            if resident[s] != expected:
+                return f"slot {s} holds expert {resident[s]}, plan {plan.seq} expects {expected}"
         return None
 
     def commit(self, plan: Plan) -> None:
@@ -235,9 +249,8 @@ class Migrator:
         pool = self.pools[layer]
         commit_mark = self.engine.mark()
         waited: list[CopyBatch] = []
-        for s in state.reads.tolist():
+        for s, expected in state.reads:
             r = s - self.num_primaries
-            expected = int(np.nonzero(plan.slot[:, self.worker] == s)[0][0])
             if pool.resident[s] != expected:
                 raise RuntimeError(f"slot {s} holds expert {pool.resident[s]}, plan {plan.seq} expects {expected}")
             batch = self.pending[layer][r]
@@ -254,7 +267,7 @@ class Migrator:
             return
         layer = plan.target.layer
         fence = self.engine.read_fence()
-        for s in state.reads.tolist():
+        for s, _ in state.reads:
             r = s - self.num_primaries
             self.readers[layer][r].discard(plan.seq)
             self.last_read[layer][r] = fence

@@ -199,6 +199,8 @@ class DemandMailbox:
 
 
 def _as_counts(counts) -> np.ndarray:
+    if isinstance(counts, np.ndarray) and counts.dtype == np.int32 and counts.ndim == 1 and counts.flags.c_contiguous:
+        return counts  # what the emitter hands in: nothing to convert (length and signs: checked in C++)
     arr = counts if isinstance(counts, np.ndarray) else np.asarray(counts)
     if arr.dtype != np.int32:
         if arr.dtype.kind == "f":

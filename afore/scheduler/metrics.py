@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from afore import _shm
 from afore.metrics import multiprocess
-from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWindow, primary_only_tile_load, tile_imbalance
+from afore.metrics.balance import BALANCE_WINDOW, IMBALANCE_BUCKETS, ImbalanceWindow, load_stats, primary_only_tile_load
 
 # 1 us .. 100 ms: plan latencies live in microseconds, misses in milliseconds
 LATENCY_BUCKETS_S = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 1e-1)
@@ -120,6 +120,7 @@ class SchedulerMetrics:
                                               ("policy", "layer", "placement"), registry=r,
                                               multiprocess_mode="livemostrecent"), *p)
         self._window = ImbalanceWindow(BALANCE_WINDOW)
+        self._balance_children: dict[tuple[str, str], tuple] = {}
         self.receiver_messages = counter("afore_receiver_messages", "demand receiver messages by outcome", "outcome")
         # segment counters, exported as increments of what sync_segments last saw
         self._mailbox_targets = counter("afore_mailbox_targets", "targets by outcome at the scheduler's mailbox", "outcome")
@@ -144,14 +145,17 @@ class SchedulerMetrics:
         of its demand, at its layer (needs ``shape``)."""
         if self.shape is None:
             raise ValueError("shape: SchedulerMetrics needs the ClusterShape to record balance")
-        layer = str(plan.target.layer)
-        for placement, load in (("plan", np.asarray(plan.tile_load)),
-                                ("primary_only", primary_only_tile_load(self.shape, plan.demand))):
-            factor = tile_imbalance(load)
-            if factor is None:
+        layer = plan.target.layer
+        for placement, load in (("plan", plan.tile_load), ("primary_only", primary_only_tile_load(self.shape, plan.demand))):
+            load_max, total, size = load_stats(np.asarray(load))
+            if total <= 0:  # no tile anywhere: no factor (tile_imbalance's None)
                 continue
-            self._imbalance.labels(layer, placement).observe(factor)
-            self._imbalance_window.labels(layer, placement).set(self._window.add((layer, placement), load))
+            key = (str(layer), placement)
+            children = self._balance_children.get(key)
+            if children is None:  # .labels() costs a lock and a dict walk: once per (layer, placement)
+                children = self._balance_children[key] = (self._imbalance.labels(*key), self._imbalance_window.labels(*key))
+            children[0].observe(load_max * size / total)
+            children[1].set(self._window.add_stats(key, load_max, total, size))
 
     def sync_segments(self, max_age_s: float = SYNC_INTERVAL_S) -> None:
         """Copy the segments' counters into the families, if the last copy is older than ``max_age_s``."""

@@ -207,13 +207,15 @@ class SchedulerService:
 
     # ---- one iteration
     def step(self, timeout_s: float = 0.05) -> int:
-        """Plan and publish at most one target; returns the number of plans published (0 or 1)."""
+        """Plan and publish at most one target; returns the number of plans published (0 or 1).
+
+        Between the complete demand and the published plan runs only what the plan depends on
+        (the measured window, the workers' slot tables, the policy, the publish); the metrics and
+        the segments' bookkeeping come after the publish, off the plan's latency."""
         self.ring.heartbeat()  # idle or not, the FFN workers see the scheduler alive
         got = self.mailbox.wait_complete(timeout_s, self.config.spin_us * 1e-6)
-        self.metrics.sync_segments()
-        self._count_misses()
-        self._record_copy_latency()
         if got is None:
+            self._bookkeeping()
             return 0
         got_ns = time.perf_counter_ns()
         self._follow_measured_window()
@@ -228,24 +230,33 @@ class SchedulerService:
             log.exception("policy %s failed on seq %d %s", self.config.policy, got.seq, got.target)
             self.metrics.misses.labels("policy_error").inc()
             self.missed += 1
+            self._bookkeeping()
             return 0
         planned_ns = time.perf_counter_ns()
-        self.metrics.policy_latency.observe(planned_ns / 1e9 - t0)
         try:
             self.ring.publish(plan, timeout_s=self.config.liveness_timeout_s * 2 + 1.0)
         except PublishTimeout as exc:
             log.warning("%s", exc)
             self.metrics.misses.labels("publish_timeout").inc()
             self.missed += 1
+            self._bookkeeping()
             return 0
-        written_ns, complete_ns = self.mailbox.last_stamps
         published_ns = _shm.monotonic_ns()
+        written_ns, complete_ns = self.mailbox.last_stamps
+        self.metrics.policy_latency.observe(planned_ns / 1e9 - t0)
         self.metrics.publish_latency.observe((published_ns - complete_ns) * 1e-9)
         self.trace.add((got.seq, written_ns, complete_ns, got_ns, int(t0 * 1e9), planned_ns, published_ns))
         self.metrics.plans.inc()
         self.metrics.observe_plan(plan)
         self.published += 1
+        self._bookkeeping()
         return 1
+
+    def _bookkeeping(self) -> None:
+        """What no plan waits for: the segments' counters, dropped targets, plan read latencies."""
+        self.metrics.sync_segments()
+        self._count_misses()
+        self._record_copy_latency()
 
     def _resync_slot_tables(self) -> None:
         """A worker ran a target without the scheduler's plan (its epoch moved): its reported

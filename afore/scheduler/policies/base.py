@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -59,14 +60,22 @@ class LayerState:
 
 def slots_with_work(shape: ClusterShape, table: SlotTable, plan: Plan | None) -> np.ndarray:
     """bool[F, R]: slot (w, r) holds an expert that has pairs on w in ``plan``."""
-    f, r = shape.num_workers, shape.redundant_slots
     if plan is None:
-        return np.zeros((f, r), bool)
-    bound = table.expert >= 0
-    e = np.where(bound, table.expert, 0)
-    w = np.arange(f)[:, None]
-    in_slot = plan.slot[e, w] == shape.primary_counts[:, None] + np.arange(r)[None, :]
-    return bound & (plan.assignment[e, w] > 0) & in_slot
+        return np.zeros((shape.num_workers, shape.redundant_slots), bool)
+    column, slot_ids = _redundant_slot_ids(shape)
+    expert = table.expert
+    flat = np.maximum(expert, 0) * shape.num_workers + column  # [e, w] of each slot's expert (unbound: masked)
+    return (expert >= 0) & (np.take(plan.assignment, flat) > 0) & (np.take(plan.slot, flat) == slot_ids)
+
+
+@functools.lru_cache(maxsize=64)
+def _redundant_slot_ids(shape: ClusterShape) -> tuple[np.ndarray, np.ndarray]:
+    """(int64[F, 1] worker of each row, int64[F, R] physical slot P_w + r of each redundant slot)."""
+    f, r = shape.num_workers, shape.redundant_slots
+    column = np.arange(f, dtype=np.int64)[:, None]
+    slot_ids = shape.primary_counts[:, None] + np.arange(r, dtype=np.int64)[None, :]
+    column.flags.writeable = slot_ids.flags.writeable = False
+    return column, slot_ids
 
 
 def migration_ms(copies: np.ndarray | list, num_workers: int, cost: CostModel) -> float:

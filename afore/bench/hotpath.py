@@ -1,0 +1,160 @@
+"""`python -m afore.bench.hotpath`: the per-target CPU cost of afore's decode control path.
+
+One process, no vLLM, no transport: the pieces that serving runs per decode target are driven in
+the order a target meets them, each timed alone (``time.perf_counter_ns``, median over targets):
+
+- ``demand_emit``: ``DemandEmitter.emit`` (count the ids, put into the shared-memory mailbox);
+- ``sched_step``: one ``SchedulerService.step`` (take the complete target from the mailbox,
+  policy, encode, publish on the plan ring, metrics), and its parts ``sched_policy``
+  (``policy.plan``) and ``sched_publish`` (``PlanRing.publish``: encode + ring copy);
+- ``ffn_candidate``: ``FFNWorker._candidate`` per worker (ring read + decode, migrator.prepare,
+  stage_plan, routed counts, commit_check) with the plan already published, so no waiting;
+- ``ffn_compute``: ``FFNWorker._compute`` (the expert compute on the host pool, for scale);
+- ``ffn_metrics``: ``FFNMetrics.observe_target`` (worker 0, which also records balance);
+- ``ffn_settle``: ``FFNWorker._settle`` after a passed vote.
+
+The FFN workers are real ``FFNWorker`` objects on the tiny checkpoint (E=8, k=2, H=64, 3 MoE
+layers by default) with a null connector; the scheduler is a real ``SchedulerService`` with the
+``afore`` policy (C++ core). Prints a markdown table; ``--json PATH`` writes the medians too.
+Costs, not latencies: nothing here waits on another process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+
+import numpy as np
+import torch
+
+STAGES = ("demand_emit", "sched_step", "sched_policy", "sched_publish", "ffn_candidate", "ffn_compute",
+          "ffn_metrics", "ffn_settle")
+
+
+class _NullConnector:
+    """The FFN end of a transport that carries nothing (the harness hands targets in itself)."""
+
+    queued = 0
+    store = None
+
+    def peek(self):
+        return None
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def send(self, mb, reply) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _timed(stats: dict, name: str, fn, *args):
+    t0 = time.perf_counter_ns()
+    out = fn(*args)
+    stats.setdefault(name, []).append(time.perf_counter_ns() - t0)
+    return out
+
+
+def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5, warmup: int = 60,
+        seed: int = 0) -> dict[str, float]:
+    """Median us per target of every stage in ``STAGES`` over ``targets`` decode targets."""
+    from afore.attention.demand import DemandEmitter
+    from afore.config import ClusterShape
+    from afore.ffn.reference import random_routing
+    from afore.ffn.worker import FFNWorker, FFNWorkerConfig
+    from afore.models.checkpoint import read_model_spec
+    from afore.models.tiny import build_tiny_checkpoint
+    from afore.plan import Target
+    from afore.scheduler.service import SchedulerService, ServiceConfig
+    from afore.transport.base import Microbatch
+
+    model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
+    spec = read_model_spec(model)
+    shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=len(spec.moe_layer_indices),
+                         redundant_slots=2, top_k=spec.top_k)
+    tag = uuid.uuid4().hex[:8]
+    cfg = ServiceConfig(shape=shape, mailbox=f"afore-hp-mb-{tag}", ring=f"afore-hp-ring-{tag}", num_producers=1,
+                        num_microbatches=1, run_lag=0, deadline_ms=5000.0)
+    service = SchedulerService(cfg)
+
+    class Worker(FFNWorker):
+        def _connect(self):
+            return _NullConnector()
+
+    workers = [Worker(FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=1, model=model, plan_ring=cfg.ring,
+                                      shape=shape, timeout_s=10.0))
+               for r in range(num_ffn)]
+    emitter = DemandEmitter(cfg.mailbox, shape.num_experts, 0)
+    rng = np.random.default_rng(seed)
+    stats: dict[str, list[int]] = {}
+    policy_plan, ring_publish = service.policy.plan, service.ring.publish
+
+    def timed_plan(obs):
+        return _timed(stats, "sched_policy", policy_plan, obs)
+
+    def timed_publish(plan, timeout_s=5.0):
+        return _timed(stats, "sched_publish", ring_publish, plan, timeout_s)
+
+    service.policy.plan, service.ring.publish = timed_plan, timed_publish
+    used = 0
+    try:
+        for seq in range(targets + warmup):
+            if seq == warmup:
+                stats.clear()
+            target = Target.from_seq(seq, shape.num_layers, 1)
+            ids, weights = random_routing(tokens, shape, rng, skew=skew)
+            hidden = torch.randn(tokens, spec.hidden_size)
+            _timed(stats, "demand_emit", emitter.emit, target.step, target.layer, target.microbatch, seq, ids)
+            assert _timed(stats, "sched_step", service.step, 1.0) == 1
+            mb = Microbatch(target, seq, hidden, ids.to(torch.int32), weights.float(), [tokens])
+            for worker in workers:
+                layer = worker.layers[target.layer]
+                candidate = _timed(stats, "ffn_candidate", worker._candidate, mb)
+                plan = candidate if candidate is not None else worker._primary_only(mb)
+                used += candidate is not None
+                _timed(stats, "ffn_compute", worker._compute, layer, mb, plan)
+                plan = _timed(stats, "ffn_settle", worker._settle, mb, candidate, candidate is not None)
+                if worker.cfg.rank == 0:
+                    _timed(stats, "ffn_metrics", worker.metrics.observe_target, plan, 1e-3, 0)
+                else:
+                    worker.metrics.observe_target(plan, 1e-3, 0)
+    finally:
+        for worker in workers:
+            worker.close()
+        service.close()
+    out = {name: float(np.median(stats[name])) / 1e3 for name in STAGES}
+    out["plans_used_share"] = used / (len(workers) * (targets + warmup))
+    return out
+
+
+def markdown(result: dict[str, float]) -> str:
+    lines = ["| stage | us per target (median) |", "|---|---|"]
+    lines += [f"| {name} | {result[name]:.1f} |" for name in STAGES]
+    lines.append(f"| (plans used) | {result['plans_used_share']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m afore.bench.hotpath", description=__doc__.splitlines()[0])
+    p.add_argument("--targets", type=int, default=600)
+    p.add_argument("--tokens", type=int, default=8, help="tokens per decode target")
+    p.add_argument("--ffn-workers", type=int, default=2)
+    p.add_argument("--json", default="", help="write the medians here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    result = run(args.targets, args.tokens, args.ffn_workers)
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"command": " ".join(["python -m afore.bench.hotpath", *(argv or sys.argv[1:])]), **result}, fh,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
