@@ -6,7 +6,8 @@ the order a target meets them, each timed alone (``time.perf_counter_ns``, media
 - ``demand_emit``: ``DemandEmitter.emit`` (count the ids, put into the shared-memory mailbox);
 - ``sched_step``: one ``SchedulerService.step`` (take the complete target from the mailbox,
   policy, encode, publish on the plan ring, metrics), and its parts ``sched_policy``
-  (``policy.plan``) and ``sched_publish`` (``PlanRing.publish``: encode + ring copy);
+  (``policy.plan``) and ``sched_publish`` (``PlanRing.publish``: encode + ring copy), and
+  ``sched_to_published``: from the step's start to its publish returned (what a worker waits for);
 - ``ffn_candidate``: ``FFNWorker._candidate`` per worker (ring read + decode, migrator.prepare,
   stage_plan, routed counts, commit_check) with the plan already published, so no waiting;
 - ``ffn_compute``: ``FFNWorker._compute`` (the expert compute on the host pool, for scale);
@@ -30,7 +31,7 @@ import uuid
 import numpy as np
 import torch
 
-STAGES = ("demand_emit", "sched_step", "sched_policy", "sched_publish", "ffn_candidate", "ffn_compute",
+STAGES = ("demand_emit", "sched_step", "sched_to_published", "sched_policy", "sched_publish", "ffn_candidate", "ffn_compute",
           "ffn_metrics", "ffn_settle")
 
 
@@ -97,8 +98,12 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
     def timed_plan(obs):
         return _timed(stats, "sched_policy", policy_plan, obs)
 
+    published = [0]
+
     def timed_publish(plan, timeout_s=5.0):
-        return _timed(stats, "sched_publish", ring_publish, plan, timeout_s)
+        out = _timed(stats, "sched_publish", ring_publish, plan, timeout_s)
+        published[0] = time.perf_counter_ns()
+        return out
 
     service.policy.plan, service.ring.publish = timed_plan, timed_publish
     used = 0
@@ -110,7 +115,9 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
             ids, weights = random_routing(tokens, shape, rng, skew=skew)
             hidden = torch.randn(tokens, spec.hidden_size)
             _timed(stats, "demand_emit", emitter.emit, target.step, target.layer, target.microbatch, seq, ids)
+            step_start = time.perf_counter_ns()
             assert _timed(stats, "sched_step", service.step, 1.0) == 1
+            stats.setdefault("sched_to_published", []).append(published[0] - step_start)
             mb = Microbatch(target, seq, hidden, ids.to(torch.int32), weights.float(), [tokens])
             for worker in workers:
                 layer = worker.layers[target.layer]
