@@ -202,6 +202,8 @@ class FFNWorker:
             self.metrics.serve(cfg.metrics_port + cfg.rank)
         self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
         self.trace = ffn_trace(cfg.rank)
+        self._rows_ns = 0      # stamps inside the compute of the target being run (trace only)
+        self._events = None
         self._routed: np.ndarray | None = None  # routed counts of the target being run
         self.stop_event = threading.Event()
 
@@ -346,15 +348,25 @@ class FFNWorker:
         handed = time.perf_counter_ns()  # stamped before the reply is published: after it, the woken
         self.connector.send(mb, reply)   # attention side may run first and the stamp would come late
         if self.trace.enabled:
+            published = time.perf_counter_ns()
             t = mb.target
+            events, self._events = self._events, None
+            # the reply's copy to the host (send) came after the compute on this stream: both events are done
+            device_ns = int(events[0].elapsed_time(events[1]) * 1e6) if events is not None and events[1].query() else 0
             self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
-                            int(mb.arrived * 1e9), t0, planned, computed, agreed, handed, int(not plan.primary_only)))
+                            int(mb.arrived * 1e9), t0, planned, computed, agreed, handed, int(not plan.primary_only),
+                            self._rows_ns or computed, device_ns, published))
         return reply
 
     def _compute(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> ReplyRows:
         """This worker's share of ``mb`` under ``plan`` (its copies waited for, its slots fenced after)."""
         if not plan.primary_only:
             self.migrator.commit(plan)
+        timed = self.trace.enabled and self.device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._rows_ns = 0
         if self.cfg.exact:  # a row per pair of this worker, as vLLM computes it (afore.ffn.exact)
             reply = ReplyRows(*layer.forward_pairs(mb.rows_for, mb.topk_ids, mb.topk_weights, plan, mb.splits))
         elif mb.hidden is not None:  # the transport delivered every row (torch): reply densely
@@ -364,8 +376,13 @@ class FFNWorker:
             reply = ReplyRows(*layer.forward_sparse(mb.rows_for, mb.topk_ids, mb.topk_weights, plan))
         else:  # sparse: read and return only the rows of the tokens this worker computes
             tokens = self._my_tokens(layer, mb, plan)
-            partial = layer.forward(mb.rows_for(tokens), mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
+            rows = mb.rows_for(tokens)
+            self._rows_ns = time.perf_counter_ns()
+            partial = layer.forward(rows, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
             reply = ReplyRows(tokens, partial.index_select(0, tokens))
+        if timed:
+            end.record()
+            self._events = (start, end)
         if not plan.primary_only:
             self.migrator.release(plan)
         for record in self.migrator.drain_records():

@@ -51,9 +51,10 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
             sch.add((seq, t + 105_000, t + 105_000, t + 125_000, t + 126_000, t + 176_000, t + 186_000))
             for r, late in enumerate((0, 40_000)):  # worker 1 wakes 40 us later
                 start = t + 150_000 + late
-                # plan read +60 us, compute +200, vote +10, reply +30
+                # plan read +60 us, compute +200 (rows on the device after 15, 120 us of GPU time on worker 0,
+                # a CPU worker 1 has none), vote +10, reply +30, its send returned +25
                 ffn[r].add((seq, step, layer, 0, 4, 2, start, start, start + 60_000, start + 260_000, start + 270_000,
-                            start + 300_000, 1))
+                            start + 300_000, 1, start + 75_000, 120_000 if r == 0 else 0, start + 325_000))
     att.add((5, 0, 0, 64, 1, 2, 3, 4, 5, 6, 0, 0))  # a prefill target: not a decode one
     for trace in (att, sch, *ffn):
         trace.flush()
@@ -68,3 +69,6 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
     assert st["FFN: vote (every worker, after the compute)"] == 10 and st["FFN: expert compute"] == 200
     assert st["F2A: last reply (rows into shm, wake) -> attention has the sum"] == 900 - 150 - 40 - 300
     assert st["attention: wait for F2A (total)"] == 769
+    assert st["FFN: compute, until its rows are on the device"] == 15
+    assert b["stages"]["FFN: compute, GPU time (CUDA events)"] == {"median_us": 120, "mean_us": 120, "n": 6}  # worker 0 only
+    assert st["FFN: reply send (device-to-host copy, publish)"] == 25

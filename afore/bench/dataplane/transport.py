@@ -243,8 +243,11 @@ STAGES = (
     ("FFN: A2F posted -> worker takes it up", ("a", "sent_ns"), ("f", "start_ns")),
     ("FFN: taken up -> plan read and checked", ("f", "start_ns"), ("f", "plan_ns")),
     ("FFN: expert compute", ("f", "plan_ns"), ("f", "computed_ns")),
+    ("FFN: compute, until its rows are on the device", ("f", "plan_ns"), ("f", "rows_ns")),
+    ("FFN: compute, GPU time (CUDA events)", ("f", "device_ns"), ("f", "device_ns")),
     ("FFN: vote (every worker, after the compute)", ("f", "computed_ns"), ("f", "agreed_ns")),
     ("FFN: metrics of the target", ("f", "agreed_ns"), ("f", "sent_ns")),
+    ("FFN: reply send (device-to-host copy, publish)", ("f", "sent_ns"), ("f", "published_ns")),
     ("F2A: last reply (rows into shm, wake) -> attention has the sum", ("f", "sent_ns"), ("a", "done_ns")),
     ("attention: wait for F2A (total)", ("a", "recv_start_ns"), ("a", "done_ns")),
 )
@@ -273,8 +276,13 @@ def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max
                 if rows["f"]:
                     samples[name].append(a["done_ns"] - max(r["sent_ns"] for r in rows["f"]))
                 continue
+            if c0 == c1 == "device_ns":  # a duration, not a stamp (0: not a CUDA worker)
+                samples[name].extend(r["device_ns"] for r in rows["f"] if r.get("device_ns"))
+                continue
             if t0 == "f" or t1 == "f":
                 for r in rows["f"]:
+                    if t0 == "f" and not r.get(c0) or t1 == "f" and not r.get(c1):
+                        continue  # a column older traces lack (or a stage this worker's path has none of)
                     start = r[c0] if t0 == "f" else rows[t0][0][c0]
                     samples[name].append((r[c1] if t1 == "f" else rows[t1][0][c1]) - start)
             elif rows[t0] and rows[t1]:
