@@ -35,6 +35,13 @@ worker's exchange at once instead of after the timeout.
 Memory order: x86-64 keeps stores in program order and loads in program order (TSO), and every
 store here is a plain aligned store made before the futex call that publishes it; the segment is
 not portable to weaker memory models as written.
+
+The per-target work runs in C++ (``afore._shm.DataPlane``, csrc/shm/dataplane.cpp: waits without
+the GIL, header writes and checks, the copies, the reply sum, the agree barrier) over this same
+layout; the Python code below it is the reference (``native=False``, tests hold the two equal bit
+for bit) and the path for CUDA inputs of ``ShmAttentionEnd.send``, copied straight from the device
+into the slot. Host buffers reach C++ as data pointers after the checks here (dtype, shape,
+contiguity): a round trip of one token costs tens of microseconds, not hundreds.
 """
 
 from __future__ import annotations
@@ -53,7 +60,14 @@ from afore.plan import Target
 from afore.procs import pid_alive
 from afore.transport.base import Microbatch, ReplyRows
 
+try:
+    from afore._shm import DataPlane as _DataPlane, set_peer_gone as _set_peer_gone
+except ImportError:  # an older build of the extension: the Python path serves alone
+    _DataPlane = _set_peer_gone = None
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # DataPlane's dtype argument
+_VIEW_CACHE = 4096  # cached slot prefixes (a, d, n) per segment before the cache starts over
 _ALIGN = 64
 _HEAD = 8
 _SYS_FUTEX = 202          # x86-64
@@ -165,6 +179,12 @@ class ShmSegment:
         self.votes = view("votes", np.int32, (f, 2))
         self._raw = torch.frombuffer(self.mm, dtype=torch.uint8)
         self._views: dict[tuple, tuple] = {}
+        self.plane = None  # the C++ hot path over this mapping (None: the extension lacks it)
+        if _DataPlane is not None:
+            es = torch.empty(0, dtype=layout.torch_dtype).element_size()
+            self.plane = _DataPlane(self.base, a, f, layout.hidden, layout.top_k, layout.max_tokens, d,
+                                    _DTYPE_CODES[layout.dtype], layout.exact,
+                                    {**self.off, "req_slot": layout.req_slot_bytes(es), "rep_slot": layout.rep_slot_bytes(es)})
 
     @classmethod
     def create(cls, name: str, layout: ShmLayout) -> "ShmSegment":
@@ -221,6 +241,16 @@ class ShmSegment:
             views = self._views[("rep", f, a, d)] = self._rep_views(f, a, d)
         return views
 
+    def req_prefix(self, a: int, d: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``n`` rows of ``req_views(a, d)`` (cached: slicing a tensor costs microseconds)."""
+        views = self._views.get(("req", a, d, n))
+        if views is None:
+            if len(self._views) > _VIEW_CACHE:
+                self._views.clear()
+            h, i, w = self.req_views(a, d)
+            views = self._views[("req", a, d, n)] = (h[:n], i[:n], w[:n])
+        return views
+
     def _req_views(self, a: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lay = self.layout
         es = torch.empty(0, dtype=lay.torch_dtype).element_size()
@@ -239,6 +269,7 @@ class ShmSegment:
         return self.tensor(base, lay.torch_dtype, (t, h)), self.tensor(base + t * h * es, torch.int32, (t,))
 
     def close(self) -> None:
+        self.plane = None
         self._raw = None
         self._views.clear()
         for name in ("pids", "req_ready", "req_head", "rep_ready", "rep_head", "votes"):
@@ -266,6 +297,17 @@ def unlink_segment(name: str) -> None:
 
 class PeerGone(RuntimeError):
     """A peer process of the data plane exited."""
+
+
+if _set_peer_gone is not None:
+    _set_peer_gone(PeerGone)
+
+
+def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as a contiguous host tensor of ``dtype`` (itself when it already is one)."""
+    if t.dtype is not dtype or not t.is_cpu:
+        t = t.to(device="cpu", dtype=dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _wait_word(seg: ShmSegment, region: str, index: int, want: int, deadline: float, poll_s: float,
@@ -300,15 +342,21 @@ class _Sent:
 
 class ShmAttentionEnd:
     """Attention worker ``rank``'s end. ``send`` returns a handle; ``recv(handle)`` the combined
-    routed-expert output [n, H] (sum of the F sparse replies), in send order."""
+    routed-expert output [n, H] (sum of the F sparse replies), in send order. ``native=False``:
+    the Python reference path instead of the C++ one (same bytes, same results)."""
 
     def __init__(self, name: str, layout: ShmLayout, rank: int, device: torch.device | str = "cpu",
-                 timeout_s: float = 60.0, poll_s: float = 0.1) -> None:
+                 timeout_s: float = 60.0, poll_s: float = 0.1, native: bool = True) -> None:
         if not 0 <= rank < layout.num_attention:
             raise ValueError(f"rank: expected in [0, {layout.num_attention}), got {rank}")
         self.layout, self.rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
         self.device = torch.device(device)
         self.seg = ShmSegment.attach(name, layout, timeout_s)
+        self._plane = self.seg.plane if native else None
+        self._dtype = layout.torch_dtype
+        self._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
+        # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
+        self._sums_as_is = not layout.exact and layout.dtype == "float32" and self.device.type == "cpu"
         self.seg.pids[rank] = os.getpid()
         self._counter = 0
         self._inflight: list[_Sent] = []
@@ -330,34 +378,41 @@ class ShmAttentionEnd:
     def send(self, target: Target, seq: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor) -> _Sent:
         lay = self.layout
-        n = hidden.shape[0]
-        if hidden.dim() != 2 or hidden.shape[1] != lay.hidden:
+        shape = hidden.shape
+        if len(shape) != 2 or shape[1] != lay.hidden:
             raise ValueError(f"hidden: expected shape [n, {lay.hidden}], got {tuple(hidden.shape)}")
+        n = shape[0]
         if n > lay.max_tokens:
             raise ValueError(f"hidden: expected at most max_tokens={lay.max_tokens} tokens per target, got {n} "
                              f"(raise afore serve --max-num-batched-tokens)")
-        if tuple(topk_ids.shape) != (n, lay.top_k) or tuple(topk_weights.shape) != (n, lay.top_k):
+        routing = (n, lay.top_k)
+        if topk_ids.shape != routing or topk_weights.shape != routing:
             raise ValueError(f"topk_ids, topk_weights: expected shape [{n}, {lay.top_k}], got "
                              f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
         if len(self._inflight) >= lay.depth:  # flow control: slot c % D is free once c - D was answered
             raise RuntimeError(f"send: at most depth={lay.depth} targets in flight; recv the oldest first")
         c = self._counter
-        d = c % lay.depth
-        seg = self.seg
-        head = seg.req_head[self.rank, d]
-        head[0] = c
-        if n:
-            h, ids, w = seg.req_views(self.rank, d)
-            h[:n].copy_(hidden)
-            ids[:n].copy_(topk_ids)
-            w[:n].copy_(topk_weights)
-        head[1:6] = (seq, target.step, target.layer, target.microbatch, n)
-        head[6] = c
-        seg.req_ready[self.rank, d] = _word(c)
-        _futex_wake(seg.addr("req_ready", self.rank * lay.depth + d, 4))
+        if self._plane is not None and hidden.is_cpu:
+            hidden = _host(hidden, self._dtype)
+            topk_ids, topk_weights = _host(topk_ids, torch.int32), _host(topk_weights, torch.float32)
+            self._plane.send_request(self.rank, c, seq, target.step, target.layer, target.microbatch, n,
+                                     hidden.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr())
+        else:  # the reference path; CUDA tensors are copied from the device straight into the slot
+            d = c % lay.depth
+            seg = self.seg
+            head = seg.req_head[self.rank, d]
+            head[0] = c
+            if n:
+                h, ids, w = seg.req_views(self.rank, d)
+                h[:n].copy_(hidden)
+                ids[:n].copy_(topk_ids)
+                w[:n].copy_(topk_weights)
+            head[1:6] = (seq, target.step, target.layer, target.microbatch, n)
+            head[6] = c
+            seg.req_ready[self.rank, d] = _word(c)
+            _futex_wake(seg.addr("req_ready", self.rank * lay.depth + d, 4))
         self._counter += 1
-        es = hidden.element_size()
-        self.bytes_sent += n * (lay.hidden * es + lay.top_k * 8)
+        self.bytes_sent += n * (self._row_bytes + lay.top_k * 8)
         sent = _Sent(target, seq, n, c, time.perf_counter_ns())
         self._inflight.append(sent)
         return sent
@@ -369,9 +424,16 @@ class ShmAttentionEnd:
         lay, seg = self.layout, self.seg
         d = sent.counter % lay.depth
         k = lay.top_k if lay.exact else 1
-        # exact: every pair's row, summed below as vLLM sums them; else partial sums per token
-        out = torch.zeros(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
         deadline = time.monotonic() + self.timeout_s
+        if self._plane is not None:
+            # exact: every pair's row, summed below as vLLM sums them; else partial sums per token
+            out = torch.empty(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
+            t = sent.target
+            rows = self._plane.combine(self.rank, sent.counter, sent.seq, t.step, t.layer, t.microbatch, sent.num_tokens,
+                                       out.data_ptr(), deadline, self.poll_s)
+            self.bytes_received += rows * (self._row_bytes + 4)
+            return out if self._sums_as_is else self._finish(out, sent.num_tokens, k)
+        out = torch.zeros(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
         for f in range(lay.num_ffn):
             index = (f * lay.num_attention + self.rank) * lay.depth + d
             _wait_word(seg, "rep_ready", index, _word(sent.counter), deadline, self.poll_s, [lay.num_attention + f],
@@ -389,10 +451,15 @@ class ShmAttentionEnd:
                 else:
                     out.index_add_(0, token[:rows].long(), data[:rows].float())
                 self.bytes_received += rows * (lay.hidden * data.element_size() + 4)
+        return self._finish(out, sent.num_tokens, k)
+
+    def _finish(self, out: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The routed-expert output [n, H] on this end's device from the combined replies ``out``."""
+        lay = self.layout
         if lay.exact:
             from afore.ffn.exact import pair_sum
 
-            return pair_sum(out.to(self.device).view(sent.num_tokens, k, lay.hidden))
+            return pair_sum(out.to(self.device).view(n, k, lay.hidden))
         return out.to(device=self.device, dtype=lay.torch_dtype)
 
     def exchange(self, target: Target, seq: int, hidden, topk_ids, topk_weights) -> torch.Tensor:
@@ -405,15 +472,21 @@ class ShmAttentionEnd:
 class ShmFFNEnd:
     """FFN worker ``rank``'s end: ``recv`` the next target (routing of all A senders, hidden rows
     read lazily: ``Microbatch.gather_rows``), ``agree`` on its plan with the other FFN workers,
-    ``send`` partial sums for the tokens this worker computed."""
+    ``send`` partial sums for the tokens this worker computed. ``native=False``: the Python
+    reference path instead of the C++ one."""
 
     def __init__(self, name: str, layout: ShmLayout, rank: int, device: torch.device | str = "cpu",
-                 timeout_s: float = 60.0, poll_s: float = 0.2) -> None:
+                 timeout_s: float = 60.0, poll_s: float = 0.2, native: bool = True) -> None:
         if not 0 <= rank < layout.num_ffn:
             raise ValueError(f"rank: expected in [0, {layout.num_ffn}), got {rank}")
         self.layout, self.ffn_rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
         self.device = torch.device(device)
         self.seg = ShmSegment.attach(name, layout, timeout_s)
+        self._plane = self.seg.plane if native else None
+        self._dtype = layout.torch_dtype
+        self._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
+        # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
+        self._sums_as_is = not layout.exact and layout.dtype == "float32" and self.device.type == "cpu"
         self.seg.pids[layout.num_attention + rank] = os.getpid()
         self._counter = 0          # next message counter (the same for every attention worker)
         self._peeked: Microbatch | None = None
@@ -428,6 +501,11 @@ class ShmFFNEnd:
         return int(self._ready(self._counter, block=False)) + (self._peeked is not None)
 
     def _ready(self, c: int, block: bool, deadline: float = float("inf")) -> bool:
+        if self._plane is not None:
+            if block:
+                self._plane.wait_requests(c, deadline, self.poll_s)
+                return True
+            return self._plane.requests_ready(c)
         lay, seg = self.layout, self.seg
         d = c % lay.depth
         for a in range(lay.num_attention):
@@ -440,6 +518,8 @@ class ShmFFNEnd:
         return True
 
     def _read(self, c: int) -> Microbatch:
+        if self._plane is not None:
+            return self._read_native(c)
         lay, seg = self.layout, self.seg
         d = c % lay.depth
         key, splits, ids, weights, views = None, [], [], [], []
@@ -471,6 +551,27 @@ class ShmFFNEnd:
                           source=_ShmRows(self, views), counter=c,
                           host_topk_ids=host_ids if self.device.type != "cpu" else None)
 
+    def _read_native(self, c: int) -> Microbatch:
+        """``_read`` with the headers checked in C++ and the slot views cached; ids and weights of
+        several senders concatenated by one copy each."""
+        lay, seg = self.layout, self.seg
+        seq, step, layer, mb, splits = self._plane.read_request(c)
+        d = c % lay.depth
+        prefixes = [seg.req_prefix(a, d, n) for a, n in enumerate(splits)]
+        if lay.num_attention == 1:
+            host_ids, weights = prefixes[0][1], prefixes[0][2]
+        else:
+            total = sum(splits)
+            host_ids = torch.empty(total, lay.top_k, dtype=torch.int32)
+            weights = torch.empty(total, lay.top_k, dtype=torch.float32)
+            self._plane.gather_routing(c, splits, host_ids.data_ptr(), weights.data_ptr())
+        self.bytes_received += sum(splits) * lay.top_k * 8
+        on_host = self.device.type == "cpu"
+        return Microbatch(Target(step, layer, mb), seq, None, host_ids if on_host else host_ids.to(self.device),
+                          weights if on_host else weights.to(self.device), splits, time.perf_counter(), None,
+                          source=_ShmRows(self, [p[0] for p in prefixes], c, splits), counter=c,
+                          host_topk_ids=None if on_host else host_ids)
+
     def recv(self, timeout_s: float | None = None) -> Microbatch | None:
         """The next target, or None after ``timeout_s`` (None: wait forever)."""
         if self._peeked is not None:
@@ -500,6 +601,8 @@ class ShmFFNEnd:
             return flag
         v = self._votes
         self._votes += 1
+        if self._plane is not None:
+            return self._plane.agree(self.ffn_rank, v, bool(flag), float(self.timeout_s), self.poll_s, str(self.timeout_s))
         word = ((v % 0x3FFFFFFE) + 1) << 1
         slot = v % 2
         seg.votes[self.ffn_rank, slot] = word | int(bool(flag))
@@ -531,10 +634,25 @@ class ShmFFNEnd:
         ``partial.tokens int64 [U]`` (ascending). ``exact`` layouts: a row per pair, ``tokens``
         holding gathered pair indices t * k + j (``FFNLayer.forward_pairs``)."""
         lay, seg = self.layout, self.seg
+        rows, tokens = partial.rows, partial.tokens
+        shape = rows.shape
+        if len(shape) != 2 or shape[1] != lay.hidden or tokens.shape != shape[:1]:
+            raise ValueError(f"partial: expected rows [U, {lay.hidden}] for tokens [U], got rows "
+                             f"{tuple(rows.shape)}, tokens {tuple(tokens.shape)}")
+        if self._plane is not None:  # CUDA partials are staged through host memory, as below
+            tokens, rows = _host(tokens, torch.int64), _host(rows, self._dtype)
+            t = mb.target
+            written = self._plane.send_replies(self.ffn_rank, mb.counter, mb.seq, t.step, t.layer, t.microbatch, mb.splits,
+                                               tokens.data_ptr(), shape[0], rows.data_ptr())
+            self.bytes_sent += written * (self._row_bytes + 4)
+            return
         d = mb.counter % lay.depth
         tokens = partial.tokens.to("cpu")
         rows = partial.rows.to(device="cpu", dtype=lay.torch_dtype)
         bounds = torch.tensor([0] + list(np.cumsum(mb.splits)), dtype=torch.int64) * (lay.top_k if lay.exact else 1)
+        if tokens.numel() and (int(tokens[0]) < 0 or int(tokens[-1]) >= int(bounds[-1]) or bool((tokens[1:] < tokens[:-1]).any())):
+            raise ValueError(f"partial.tokens: expected ascending gathered {'pair' if lay.exact else 'token'} indices in "
+                             f"[0, {int(bounds[-1])}), got {tokens.tolist()}")
         cut = torch.searchsorted(tokens, bounds).tolist()
         for a in range(lay.num_attention):
             lo, hi = cut[a], cut[a + 1]
@@ -557,16 +675,23 @@ class ShmFFNEnd:
 
 
 class _ShmRows:
-    """Lazy hidden rows of one target: views into the A request slots."""
+    """Lazy hidden rows of one target: views into the A request slots (``counter`` and ``splits``:
+    the message, for the C++ gather)."""
 
-    def __init__(self, end: ShmFFNEnd, views: list[torch.Tensor]) -> None:
-        self.end, self.views = end, views
+    def __init__(self, end: ShmFFNEnd, views: list[torch.Tensor], counter: int | None = None,
+                 splits: list[int] | None = None) -> None:
+        self.end, self.views, self.counter, self.splits = end, views, counter, splits
         # on the CPU one sender's slot is handed out as it is; a GPU worker copies only its rows over
         self.zero_copy = end.device.type == "cpu"
 
     def gather(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden rows [U, H] of gathered token indices ``tokens`` (int64, ascending)."""
-        if len(self.views) == 1:
+        plane = self.end._plane
+        if plane is not None and self.counter is not None:
+            t = _host(tokens, torch.int64)
+            out = torch.empty(t.shape[0], self.end.layout.hidden, dtype=self.end.layout.torch_dtype)
+            plane.gather_rows(self.counter, self.splits, t.data_ptr(), t.shape[0], out.data_ptr())
+        elif len(self.views) == 1:
             out = self.views[0].index_select(0, tokens.to("cpu"))
         else:
             offsets = torch.tensor([0] + list(np.cumsum([v.shape[0] for v in self.views])), dtype=torch.int64)

@@ -11,6 +11,10 @@ namespace nb = nanobind;
 using namespace nb::literals;
 using namespace afore::shm;
 
+namespace afore::shm {
+void bind_dataplane(nb::module_& m);  // dataplane.cpp: the shm transport's hot path
+}
+
 namespace {
 
 nb::ndarray<nb::numpy, int64_t, nb::ndim<1>> to_numpy(std::vector<int64_t>&& v) {
@@ -190,6 +194,7 @@ NB_MODULE(_shm, m) {
   m.attr("WRITER_DEAD") = int(kWriterDead);
   m.def("monotonic_ns", &monotonic_ns, "CLOCK_MONOTONIC in ns (the clock of every stamp in shm)");
   m.def("inspect", &inspect, "name"_a);
+  bind_dataplane(m);
 
   nb::class_<MailboxConsumer>(m, "MailboxConsumer")
       .def(nb::init<const std::string&, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t, uint64_t, uint32_t, uint32_t,

@@ -147,7 +147,7 @@ def test_agree_sees_a_vote_that_lands_between_its_reads():
     name = _name("agree-race")
     seg = ShmSegment.create(name, layout)
     try:
-        end = ShmFFNEnd(name, layout, 0, timeout_s=120, poll_s=30.0)
+        end = ShmFFNEnd(name, layout, 0, timeout_s=120, poll_s=30.0, native=False)  # the Python path's reads
         end.seg.votes = _VoteLandsAfterTheRead(end.seg.votes, other=1, word=(1 << 1) | 1)
         t0 = time.monotonic()
         assert end.agree(True) is True
