@@ -1,0 +1,288 @@
+"""The shm transport's C++ hot path (afore._shm.DataPlane) against its Python reference path.
+
+Both ends run in this process, one step after another (every wait is already satisfied), so the
+two paths can be held to the same bytes: the same segment contents after every target, the same
+Microbatch, the same gathered rows, the same attention output bit for bit, for every dtype and
+both reply layouts; a C++ end talks to a Python end over one segment. Then the errors: torn
+headers, out-of-range indices, bad partials, timeouts, dead peers, the agree barrier.
+"""
+
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from afore.plan import Target
+from afore.transport.base import ReplyRows
+from afore.transport.shm import PeerGone, ShmAttentionEnd, ShmFFNEnd, ShmLayout, ShmSegment, _futex_wake
+
+H, K = 24, 2
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _name(tag: str) -> str:
+    return f"afore-test-shm-native-{tag}-{os.getpid()}"
+
+
+class _Pair:
+    """A segment with every end of one layout in this process (``native`` per side)."""
+
+    def __init__(self, tag: str, layout: ShmLayout, native_attention: bool, native_ffn: bool, **kw) -> None:
+        self.layout = layout
+        self.seg = ShmSegment.create(_name(tag), layout)
+        a = layout.num_attention
+        for f in range(layout.num_ffn):
+            self.seg.pids[a + f] = os.getpid()
+        self.atts = [ShmAttentionEnd(self.seg.name, layout, r, timeout_s=5, native=native_attention, **kw) for r in range(a)]
+        self.ffns = [ShmFFNEnd(self.seg.name, layout, r, timeout_s=5, native=native_ffn, **kw) for r in range(layout.num_ffn)]
+
+    def close(self) -> None:
+        for e in self.atts + self.ffns:
+            e.close()
+        self.seg.close()
+
+    def raw(self) -> np.ndarray:
+        return np.frombuffer(self.seg.mm, dtype=np.uint8).copy()
+
+
+def _special(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Rows with the values conversions get wrong: signed zeros, infinities, NaN, subnormals."""
+    x = (torch.randn(n, H, generator=gen) * 3).to(dtype)
+    if n:
+        flat = x.view(-1)
+        tiny = torch.finfo(dtype).tiny
+        specials = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan"), tiny / 4, -tiny / 8, 65504.0 if dtype == torch.float16 else 1e30])
+        m = min(flat.numel(), specials.numel())
+        flat[:m] = specials[:m].to(dtype)
+    return x
+
+
+def _reply(mb, rank: int, layout: ShmLayout) -> ReplyRows:
+    """FFN worker ``rank`` owns gathered tokens (pairs when exact) t with t % F == rank and
+    replies a fixed function of their rows."""
+    n, f = mb.num_tokens, layout.num_ffn
+    if layout.exact:
+        pairs = torch.arange(n * layout.top_k)
+        pairs = pairs[pairs % f == rank]
+        hidden = mb.rows_for(torch.unique(pairs // layout.top_k))
+        rows = hidden.index_select(0, pairs // layout.top_k) * (1.5 + rank)
+        return ReplyRows(pairs, rows)
+    tokens = torch.arange(n)
+    tokens = tokens[tokens % f == rank]
+    return ReplyRows(tokens, mb.rows_for(tokens).index_select(0, tokens) * (1.5 + rank))
+
+
+def _target(pair: _Pair, t: int, xs, ids, ws, collect: dict) -> list[torch.Tensor]:
+    sent = [att.send(Target(t, t % 3, t % 2), t, xs[a], ids[a], ws[a]) for a, att in enumerate(pair.atts)]
+    for r, ffn in enumerate(pair.ffns):
+        mb = ffn.recv(5.0)
+        assert mb is not None
+        tokens = torch.arange(mb.num_tokens)[::2].contiguous()
+        collect.setdefault("mb", []).append((mb.target, mb.seq, list(mb.splits), mb.topk_ids.clone(), mb.topk_weights.clone(),
+                                             mb.dense_hidden().clone(), mb.source.gather(tokens).clone()))
+        ffn.send(mb, _reply(mb, r, pair.layout))
+    return [att.recv(s) for att, s in zip(pair.atts, sent)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("num_attention,num_ffn", [(1, 1), (1, 2), (2, 3)])
+def test_cpp_and_python_paths_write_and_return_the_same_bits(dtype, exact, num_attention, num_ffn):
+    layout = ShmLayout(num_attention=num_attention, num_ffn=num_ffn, hidden=H, top_k=K, max_tokens=9, depth=2,
+                       dtype=dtype, exact=exact)
+    tag = f"{dtype}{int(exact)}{num_attention}{num_ffn}"
+    native, ref = _Pair(tag + "c", layout, True, True), _Pair(tag + "p", layout, False, False)
+    gen = torch.Generator().manual_seed(7)
+    try:
+        for t in range(7):
+            sizes = [int(torch.randint(0, 10, (1,), generator=gen)) for _ in range(num_attention)]
+            # ids as int64 and a transposed (non-contiguous) hidden: both paths convert them the same way
+            xs = [_special(n, DTYPES[dtype], gen) for n in sizes]
+            if t % 2:
+                xs = [x.t().contiguous().t() for x in xs]
+            ids = [torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int64 if t % 2 else torch.int32) for n in sizes]
+            ws = [torch.rand(n, K, generator=gen, dtype=torch.float64 if t % 3 == 0 else torch.float32) for n in sizes]
+            got, want = {}, {}
+            out = _target(native, t, xs, ids, ws, got)
+            ref_out = _target(ref, t, xs, ids, ws, want)
+            for o, r in zip(out, ref_out):
+                assert o.dtype == r.dtype and o.shape == r.shape
+                assert torch.equal(_bits(o), _bits(r))
+            for g, w in zip(got["mb"], want["mb"]):
+                assert g[:3] == w[:3]
+                for a, b in zip(g[3:], w[3:]):
+                    assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+            assert np.array_equal(native.raw(), ref.raw()), "the two paths left different bytes in the segment"
+        for a, b in zip(native.atts + native.ffns, ref.atts + ref.ffns):
+            assert (a.bytes_sent, a.bytes_received) == (b.bytes_sent, b.bytes_received)
+    finally:
+        native.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("native_attention", [True, False])
+def test_a_cpp_end_talks_to_a_python_end(native_attention):
+    layout = ShmLayout(num_attention=2, num_ffn=2, hidden=H, top_k=K, max_tokens=6, depth=3, dtype="bfloat16")
+    pair = _Pair(f"mixed{int(native_attention)}", layout, native_attention, not native_attention)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for t in range(5):
+            sizes = [int(torch.randint(0, 7, (1,), generator=gen)) for _ in range(2)]
+            xs = [torch.randn(n, H, generator=gen).bfloat16() for n in sizes]
+            out = _target(pair, t, xs, [torch.zeros(n, K, dtype=torch.int32) for n in sizes], [torch.ones(n, K) for n in sizes], {})
+            for a, x in enumerate(xs):
+                g = torch.arange(x.shape[0]) + sum(sizes[:a])
+                want = (x.float() * (1.5 + (g % 2)).unsqueeze(1).bfloat16().float()).bfloat16()
+                assert torch.equal(out[a], want)
+    finally:
+        pair.close()
+
+
+def test_torn_or_stale_headers_are_rejected_by_the_cpp_path():
+    layout = ShmLayout(num_attention=1, num_ffn=1, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("torn", layout, True, True)
+    att, ffn, seg = pair.atts[0], pair.ffns[0], pair.seg
+    try:
+        x = torch.ones(2, H)
+        sent = att.send(Target(0, 0, 0), 0, x, torch.zeros(2, K, dtype=torch.int32), torch.ones(2, K))
+        seg.req_head[0, 0, 6] = 7
+        with pytest.raises(ValueError, match=r"request from attention worker 0: expected message 0, got header \[0, 0, 0, 0, 0, 2, 7, 0\] \(torn or stale slot\)"):
+            ffn.recv(1.0)
+        seg.req_head[0, 0, 6] = 0
+        mb = ffn.recv(1.0)
+        ffn.send(mb, ReplyRows(torch.arange(2), x))
+        seg.rep_head[0, 0, 0, 2] = 5  # the reply claims another target
+        with pytest.raises(ValueError, match=r"reply from FFN worker 0: expected seq 0 Target\(step=0, layer=0, microbatch=0\) "
+                                             r"\(message 0\), got header .* \(torn or stale slot\)"):
+            att.recv(sent)
+    finally:
+        pair.close()
+
+
+def test_out_of_range_indices_and_bad_partials_are_refused():
+    layout = ShmLayout(num_attention=2, num_ffn=1, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("range", layout, True, True)
+    seg, ffn = pair.seg, pair.ffns[0]
+    try:
+        sent = [att.send(Target(0, 0, 0), 0, torch.ones(2, H), torch.zeros(2, K, dtype=torch.int32), torch.ones(2, K))
+                for att in pair.atts]
+        mb = ffn.recv(1.0)
+        with pytest.raises(ValueError, match=r"tokens: expected ascending gathered token indices in \[0, 4\), got 4"):
+            mb.source.gather(torch.tensor([0, 4]))
+        with pytest.raises(ValueError, match="tokens: expected ascending"):
+            mb.source.gather(torch.tensor([2, 1]))
+        with pytest.raises(ValueError, match=r"partial: expected rows \[U, 24\] for tokens \[U\]"):
+            ffn.send(mb, ReplyRows(torch.arange(3), torch.ones(2, H)))
+        with pytest.raises(ValueError, match=r"partial.tokens: expected ascending gathered token indices in \[0, 4\)"):
+            ffn.send(mb, ReplyRows(torch.tensor([0, 5]), torch.ones(2, H)))
+        with pytest.raises(ValueError, match="partial.tokens: expected ascending"):
+            ffn.send(mb, ReplyRows(torch.tensor([3, 1]), torch.ones(2, H)))
+        ffn.send(mb, ReplyRows(torch.tensor([1, 3]), torch.ones(2, H)))  # one row for each attention worker
+        seg.rep_views(0, 1, 0)[1][0] = 9  # a corrupt token index in worker 1's reply
+        assert torch.equal(pair.atts[0].recv(sent[0]), torch.tensor([[0.0], [1.0]]).expand(2, H))
+        with pytest.raises(ValueError, match=r"reply from FFN worker 0 to seq 0: token index 9 out of range \[0, 2\)"):
+            pair.atts[1].recv(sent[1])
+    finally:
+        pair.close()
+
+
+def test_waits_time_out_with_what_they_waited_for():
+    layout = ShmLayout(num_attention=1, num_ffn=1, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("timeout", layout, True, True, poll_s=0.01)
+    att, ffn = pair.atts[0], pair.ffns[0]
+    try:
+        assert ffn.recv(0.05) is None and ffn.queued == 0 and ffn.peek() is None
+        att.timeout_s = 0.1
+        sent = att.send(Target(0, 0, 0), 3, torch.ones(1, H), torch.zeros(1, K, dtype=torch.int32), torch.ones(1, K))
+        assert ffn.queued == 1
+        with pytest.raises(TimeoutError, match="reply to seq 3 from FFN worker 0: nothing after the timeout"):
+            att.recv(sent)
+    finally:
+        pair.close()
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_a_dead_peer_ends_the_cpp_waits():
+    layout = ShmLayout(num_attention=1, num_ffn=2, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("dead", layout, True, True, poll_s=0.02)
+    try:
+        pair.seg.pids[2] = _dead_pid()  # FFN worker 1 is gone
+        att = pair.atts[0]
+        sent = att.send(Target(0, 0, 0), 0, torch.ones(1, H), torch.zeros(1, K, dtype=torch.int32), torch.ones(1, K))
+        mb = pair.ffns[0].recv(1.0)
+        pair.ffns[0].send(mb, ReplyRows(torch.arange(1), torch.ones(1, H)))
+        t0 = time.monotonic()
+        with pytest.raises(PeerGone, match=f"reply to seq 0 from FFN worker 1: the peer process {int(pair.seg.pids[2])} exited"):
+            att.recv(sent)
+        with pytest.raises(PeerGone, match=r"agree: FFN worker 1 \(pid \d+\) exited"):
+            pair.ffns[0].agree(True)
+        assert time.monotonic() - t0 < 4.0  # not the 5 s timeouts
+    finally:
+        pair.close()
+
+
+def test_agree_is_the_and_of_every_vote_and_times_out_naming_the_silent_worker():
+    layout = ShmLayout(num_attention=1, num_ffn=3, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("agree", layout, True, True)
+    try:
+        rounds = [(True, True, True), (True, False, True), (False, False, False), (True, True, True), (True, True, False)]
+        results = {}
+
+        def worker(r):
+            results[r] = [pair.ffns[r].agree(v[r]) for v in rounds]
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == {r: [all(v) for v in rounds] for r in range(3)}
+        pair.ffns[0].timeout_s = 0.2
+        with pytest.raises(TimeoutError, match="agree: FFN worker 1 did not vote on target 5 within 0.2 s"):
+            pair.ffns[0].agree(True)
+    finally:
+        pair.close()
+
+
+def test_agree_never_sleeps_out_its_poll_interval_on_a_vote_that_races_its_read():
+    # the other worker's vote lands at random moments around the reader's check; with one read
+    # serving the test and the futex's expected value no landing sleeps out poll_s = 30 s
+    layout = ShmLayout(num_attention=1, num_ffn=2, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("agree-race", layout, True, True, poll_s=30.0)
+    seg, end = pair.seg, pair.ffns[0]
+    rounds, rng = 300, random.Random(3)
+    try:
+        def other():
+            for v in range(rounds):
+                word = ((v % 0x3FFFFFFE) + 1) << 1
+                while int(seg.votes[0, v % 2]) != word | 1:  # worker 0 voted on v: it reads ours now
+                    pass
+                spin_until = time.perf_counter() + rng.random() * 50e-6
+                while time.perf_counter() < spin_until:
+                    pass
+                seg.votes[1, v % 2] = word | 1
+                _futex_wake(seg.addr("votes", 2 + v % 2, 4))
+
+        t = threading.Thread(target=other)
+        t0 = time.monotonic()
+        t.start()
+        assert all(end.agree(True) for _ in range(rounds))
+        t.join(30)
+        assert time.monotonic() - t0 < 25.0, "an agree slept out its poll interval: a wake-up was lost"
+    finally:
+        pair.close()
