@@ -343,16 +343,20 @@ class _Sent:
 class ShmAttentionEnd:
     """Attention worker ``rank``'s end. ``send`` returns a handle; ``recv(handle)`` the combined
     routed-expert output [n, H] (sum of the F sparse replies), in send order. ``native=False``:
-    the Python reference path instead of the C++ one (same bytes, same results)."""
+    the Python reference path instead of the C++ one (same bytes, same results). ``spin_s``: the
+    C++ waits busy-poll this long before they block (0: block at once, for workers that share
+    cores; a spare core per worker buys the wake-up latency, ~10 us per hop)."""
 
     def __init__(self, name: str, layout: ShmLayout, rank: int, device: torch.device | str = "cpu",
-                 timeout_s: float = 60.0, poll_s: float = 0.1, native: bool = True) -> None:
+                 timeout_s: float = 60.0, poll_s: float = 0.1, native: bool = True, spin_s: float = 0.0) -> None:
         if not 0 <= rank < layout.num_attention:
             raise ValueError(f"rank: expected in [0, {layout.num_attention}), got {rank}")
         self.layout, self.rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
         self.device = torch.device(device)
         self.seg = ShmSegment.attach(name, layout, timeout_s)
-        self._plane = self.seg.plane if native else None
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s: expected seconds >= 0, got {spin_s}")
+        self._plane, self.spin_s = (self.seg.plane if native else None), float(spin_s)
         self._dtype = layout.torch_dtype
         self._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
         # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
@@ -430,7 +434,7 @@ class ShmAttentionEnd:
             out = torch.empty(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
             t = sent.target
             rows = self._plane.combine(self.rank, sent.counter, sent.seq, t.step, t.layer, t.microbatch, sent.num_tokens,
-                                       out.data_ptr(), deadline, self.poll_s)
+                                       out.data_ptr(), deadline, self.poll_s, self.spin_s)
             self.bytes_received += rows * (self._row_bytes + 4)
             return out if self._sums_as_is else self._finish(out, sent.num_tokens, k)
         out = torch.zeros(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
@@ -473,16 +477,18 @@ class ShmFFNEnd:
     """FFN worker ``rank``'s end: ``recv`` the next target (routing of all A senders, hidden rows
     read lazily: ``Microbatch.gather_rows``), ``agree`` on its plan with the other FFN workers,
     ``send`` partial sums for the tokens this worker computed. ``native=False``: the Python
-    reference path instead of the C++ one."""
+    reference path instead of the C++ one; ``spin_s`` as ``ShmAttentionEnd``'s."""
 
     def __init__(self, name: str, layout: ShmLayout, rank: int, device: torch.device | str = "cpu",
-                 timeout_s: float = 60.0, poll_s: float = 0.2, native: bool = True) -> None:
+                 timeout_s: float = 60.0, poll_s: float = 0.2, native: bool = True, spin_s: float = 0.0) -> None:
         if not 0 <= rank < layout.num_ffn:
             raise ValueError(f"rank: expected in [0, {layout.num_ffn}), got {rank}")
         self.layout, self.ffn_rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
         self.device = torch.device(device)
         self.seg = ShmSegment.attach(name, layout, timeout_s)
-        self._plane = self.seg.plane if native else None
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s: expected seconds >= 0, got {spin_s}")
+        self._plane, self.spin_s = (self.seg.plane if native else None), float(spin_s)
         self._dtype = layout.torch_dtype
         self._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
         # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
@@ -503,7 +509,7 @@ class ShmFFNEnd:
     def _ready(self, c: int, block: bool, deadline: float = float("inf")) -> bool:
         if self._plane is not None:
             if block:
-                self._plane.wait_requests(c, deadline, self.poll_s)
+                self._plane.wait_requests(c, deadline, self.poll_s, self.spin_s)
                 return True
             return self._plane.requests_ready(c)
         lay, seg = self.layout, self.seg
@@ -602,7 +608,8 @@ class ShmFFNEnd:
         v = self._votes
         self._votes += 1
         if self._plane is not None:
-            return self._plane.agree(self.ffn_rank, v, bool(flag), float(self.timeout_s), self.poll_s, str(self.timeout_s))
+            return self._plane.agree(self.ffn_rank, v, bool(flag), float(self.timeout_s), self.poll_s, self.spin_s,
+                                     str(self.timeout_s))
         word = ((v % 0x3FFFFFFE) + 1) << 1
         slot = v % 2
         seg.votes[self.ffn_rank, slot] = word | int(bool(flag))

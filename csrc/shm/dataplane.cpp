@@ -147,16 +147,19 @@ class DataPlane {
   // exact layouts the layout dtype [n * k, H], every pair's row at its place (others zero).
   // Returns the rows received (all replies).
   int64_t combine(int a, int64_t counter, int64_t seq, int64_t step, int64_t layer, int64_t mb, int64_t n,
-                  uintptr_t out_ptr, double deadline, double poll_s) {
+                  uintptr_t out_ptr, double deadline, double poll_s, double spin_s) {
     check_rank(a, A_, "attention rank");
     const int d = int(counter % D_);
     const int64_t places = n * (exact_ ? K_ : 1);
     uint8_t* out = reinterpret_cast<uint8_t*>(out_ptr);
-    if (places) std::memset(out, 0, size_t(places) * H_ * (exact_ ? es_ : 4));
+    const size_t out_row = size_t(H_) * (exact_ ? es_ : 4);
+    // a row's first reply is stored (as 0 + x: the bits of zeros().index_add_), later ones added;
+    // rows no reply touched are zeroed at the end: out is written once, not zeroed and re-read
+    std::vector<uint8_t> touched(size_t(places), 0);
     int64_t total = 0;
     for (int f = 0; f < F_; ++f) {
       const int64_t index = (int64_t(f) * A_ + a) * D_ + d;
-      wait_word(rep_ready_ + index, ready_word(counter), deadline, poll_s, A_ + f,
+      wait_word(rep_ready_ + index, ready_word(counter), deadline, poll_s, spin_s, A_ + f,
                 [&] { return "reply to seq " + std::to_string(seq) + " from FFN worker " + std::to_string(f); });
       const int64_t* head = rep_head_ + index * kHead;
       if (!(load_relaxed(head[0]) == counter && load_relaxed(head[6]) == counter) || load_relaxed(head[1]) != seq ||
@@ -177,12 +180,15 @@ class DataPlane {
                                       ": token index " + std::to_string(t) + " out of range [0, " + std::to_string(places) + ")");
         const uint8_t* src = data + size_t(r) * H_ * es_;
         if (exact_)
-          std::memcpy(out + size_t(t) * H_ * es_, src, size_t(H_) * es_);
+          std::memcpy(out + size_t(t) * out_row, src, out_row);
         else
-          add_row(reinterpret_cast<float*>(out) + size_t(t) * H_, src);
+          add_row(reinterpret_cast<float*>(out) + size_t(t) * H_, src, touched[t] != 0);
+        touched[t] = 1;
       }
       total += rows;
     }
+    for (int64_t t = 0; t < places; ++t)
+      if (!touched[t]) std::memset(out + size_t(t) * out_row, 0, out_row);
     return total;
   }
 
@@ -197,10 +203,10 @@ class DataPlane {
   }
 
   // Block until every attention worker published message `c`; TimeoutError at `deadline`.
-  void wait_requests(int64_t c, double deadline, double poll_s) {
+  void wait_requests(int64_t c, double deadline, double poll_s, double spin_s) {
     const int d = int(c % D_);
     for (int a = 0; a < A_; ++a)
-      wait_word(req_ready_ + int64_t(a) * D_ + d, ready_word(c), deadline, poll_s, -1,
+      wait_word(req_ready_ + int64_t(a) * D_ + d, ready_word(c), deadline, poll_s, spin_s, -1,
                 [&] { return "request " + std::to_string(c) + " from attention worker " + std::to_string(a); });
   }
 
@@ -316,7 +322,7 @@ class DataPlane {
   }
 
   // Vote `flag` on agreement round `v` and return the AND of every FFN worker's vote.
-  bool agree(int rank, int64_t v, bool flag, double timeout_s, double poll_s, const std::string& timeout_text) {
+  bool agree(int rank, int64_t v, bool flag, double timeout_s, double poll_s, double spin_s, const std::string& timeout_text) {
     check_rank(rank, F_, "FFN rank");
     if (F_ == 1) return flag;
     const uint32_t word = uint32_t((v % 0x3FFFFFFE) + 1) << 1;
@@ -329,6 +335,7 @@ class DataPlane {
     for (int g = 0; g < F_; ++g) {
       if (g == rank) continue;
       const uint32_t* theirs = votes_ + g * 2 + slot;
+      spin(theirs, spin_s, [&](uint32_t cur) { return (cur >> 1) << 1 == word; });
       while (true) {
         // one read serves the test and the futex's expected value (commit 7b3a187: a vote stored
         // between two reads left the wait sleeping on the new value until poll_s)
@@ -371,8 +378,24 @@ class DataPlane {
 
   // Block until *word == want; `peer` (a pids index, -1: none) is checked after every wake-up
   // that did not bring it. PeerGone / TimeoutError name `what()`.
+  // Busy-poll *word for at most spin_s (0: not at all) until done(value): the lowest latency,
+  // at the price of a core for that long; the caller then blocks on the futex as usual.
+  template <class Done>
+  static void spin(const uint32_t* word, double spin_s, Done done) {
+    if (!(spin_s > 0)) return;
+    const uint64_t until = monotonic_ns() + ns(spin_s);
+    do {
+      for (int i = 0; i < 16; ++i) {
+        if (done(load_word(word))) return;
+        cpu_relax();
+      }
+    } while (monotonic_ns() < until);
+  }
+
   template <class What>
-  void wait_word(const uint32_t* word, uint32_t want, double deadline, double poll_s, int peer, What what) const {
+  void wait_word(const uint32_t* word, uint32_t want, double deadline, double poll_s, double spin_s, int peer,
+                 What what) const {
+    spin(word, spin_s, [want](uint32_t cur) { return cur == want; });
     while (true) {
       const uint32_t cur = load_word(word);
       if (cur == want) return;
@@ -386,16 +409,27 @@ class DataPlane {
     }
   }
 
-  void add_row(float* o, const uint8_t* src) const {
+  // o (+)= float(src): `add` false for a row's first reply, stored as 0.0f + x (-0 becomes +0,
+  // as in zeros + x)
+  void add_row(float* o, const uint8_t* src, bool add) const {
     if (dtype_ == kFloat32) {
       const auto* s = reinterpret_cast<const float*>(src);
-      for (int h = 0; h < H_; ++h) o[h] += s[h];
+      if (add)
+        for (int h = 0; h < H_; ++h) o[h] += s[h];
+      else
+        for (int h = 0; h < H_; ++h) o[h] = 0.0f + s[h];
     } else if (dtype_ == kBFloat16) {
       const auto* s = reinterpret_cast<const uint16_t*>(src);
-      for (int h = 0; h < H_; ++h) o[h] += bits_float(uint32_t(s[h]) << 16);
+      if (add)
+        for (int h = 0; h < H_; ++h) o[h] += bits_float(uint32_t(s[h]) << 16);
+      else
+        for (int h = 0; h < H_; ++h) o[h] = 0.0f + bits_float(uint32_t(s[h]) << 16);
     } else {
       const auto* s = reinterpret_cast<const uint16_t*>(src);
-      for (int h = 0; h < H_; ++h) o[h] += half_to_float(s[h]);
+      if (add)
+        for (int h = 0; h < H_; ++h) o[h] += half_to_float(s[h]);
+      else
+        for (int h = 0; h < H_; ++h) o[h] = 0.0f + half_to_float(s[h]);
     }
   }
 

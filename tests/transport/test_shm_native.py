@@ -286,3 +286,32 @@ def test_agree_never_sleeps_out_its_poll_interval_on_a_vote_that_races_its_read(
         assert time.monotonic() - t0 < 25.0, "an agree slept out its poll interval: a wake-up was lost"
     finally:
         pair.close()
+
+
+def test_spinning_ends_give_the_same_results_and_refuse_a_negative_spin():
+    layout = ShmLayout(num_attention=1, num_ffn=2, hidden=H, top_k=K, max_tokens=4, depth=2)
+    with pytest.raises(ValueError, match="spin_s"):
+        _Pair("spin-bad", layout, True, True, spin_s=-1.0)
+    ShmSegment.create(_name("spin-bad"), layout).close()  # the refused pair's segment
+    pair = _Pair("spin", layout, True, True, spin_s=200e-6)
+    try:
+        votes = {}
+
+        def ffn(r):  # the FFN ends wait (spinning first) for targets that the main thread sends
+            for t in range(20):
+                mb = pair.ffns[r].recv(5.0)
+                votes.setdefault(r, []).append(pair.ffns[r].agree(t % 3 != 0))
+                pair.ffns[r].send(mb, _reply(mb, r, layout))
+
+        threads = [threading.Thread(target=ffn, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in range(20):
+            x = torch.randn(3, H)
+            out = pair.atts[0].exchange(Target(t, 0, 0), t, x, torch.zeros(3, K, dtype=torch.int32), torch.ones(3, K))
+            assert torch.equal(out, x * (1.5 + torch.arange(3) % 2).unsqueeze(1))
+        for t in threads:
+            t.join(30)
+        assert votes == {r: [t % 3 != 0 for t in range(20)] for r in range(2)}
+    finally:
+        pair.close()
