@@ -470,6 +470,7 @@ class ShmAttentionEnd:
         return self.recv(self.send(target, seq, hidden, topk_ids, topk_weights))
 
     def close(self) -> None:
+        self._plane = None  # it addresses the mapping that seg.close() unmaps
         self.seg.close()
 
 
@@ -678,6 +679,7 @@ class ShmFFNEnd:
 
     def close(self) -> None:
         self._peeked = None
+        self._plane = None
         self.seg.close()
 
 

@@ -59,6 +59,17 @@ bool process_running(int64_t pid) {
   return paren[2] != 'Z' && paren[2] != 'X';
 }
 
+// FUTEX_WAIT while *word == expected, at most timeout_ns. A signal that interrupts it runs its
+// Python handler now (under the GIL), as the ctypes wait of the Python path does: Ctrl-C or a
+// handler that raises ends the wait with that exception instead of after the timeout.
+void futex_sleep(const uint32_t* word, uint32_t expected, uint64_t timeout_ns) {
+  timespec ts{time_t(timeout_ns / 1000000000ULL), long(timeout_ns % 1000000000ULL)};
+  if (syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0) == -1 && errno == EINTR) {
+    nb::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) throw nb::python_error();
+  }
+}
+
 uint32_t ready_word(int64_t counter) { return uint32_t(counter % 0x7FFFFFFE + 1); }
 
 double now_s() { return double(monotonic_ns()) * 1e-9; }
@@ -347,7 +358,7 @@ class DataPlane {
         if (now_s() > deadline)
           throw WaitTimeout("agree: FFN worker " + std::to_string(g) + " did not vote on target " + std::to_string(v) +
                             " within " + timeout_text + " s");
-        futex_wait(theirs, cur, ns(poll_s));
+        futex_sleep(theirs, cur, ns(poll_s));
         const int64_t pid = load_relaxed(pids_[A_ + g]);
         if (pid && !process_running(pid))
           throw PeerGoneError("agree: FFN worker " + std::to_string(g) + " (pid " + std::to_string(pid) + ") exited");
@@ -401,7 +412,7 @@ class DataPlane {
       if (cur == want) return;
       const double left = deadline - now_s();
       if (left <= 0) throw WaitTimeout(what() + ": nothing after the timeout");
-      futex_wait(word, cur, ns(std::min(poll_s, left)));
+      futex_sleep(word, cur, ns(std::min(poll_s, left)));
       if (peer >= 0 && load_word(word) != want) {
         const int64_t pid = load_relaxed(pids_[peer]);
         if (pid && !process_running(pid)) throw PeerGoneError(what() + ": the peer process " + std::to_string(pid) + " exited");

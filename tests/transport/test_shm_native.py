@@ -315,3 +315,31 @@ def test_spinning_ends_give_the_same_results_and_refuse_a_negative_spin():
         assert votes == {r: [t % 3 != 0 for t in range(20)] for r in range(2)}
     finally:
         pair.close()
+
+
+def test_a_signal_handler_runs_during_a_cpp_wait():
+    # Ctrl-C or SIGTERM while an end waits: the handler runs at once (its exception ends the
+    # wait), not after poll_s or the timeout, as with the Python path's ctypes wait
+    import signal
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stop()
+
+    layout = ShmLayout(num_attention=1, num_ffn=1, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair("signal", layout, True, True, poll_s=30.0)
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        pair.atts[0].timeout_s = 60.0
+        sent = pair.atts[0].send(Target(0, 0, 0), 0, torch.ones(1, H), torch.zeros(1, K, dtype=torch.int32), torch.ones(1, K))
+        t0 = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Stop):
+            pair.atts[0].recv(sent)
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        pair.close()
