@@ -355,7 +355,7 @@ class FFNWorker:
             device_ns = int(events[0].elapsed_time(events[1]) * 1e6) if events is not None and events[1].query() else 0
             self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
                             int(mb.arrived * 1e9), t0, planned, computed, agreed, handed, int(not plan.primary_only),
-                            self._rows_ns or computed, device_ns, published))
+                            self._rows_ns, device_ns, published))  # rows_ns 0: a path without the stamp
         return reply
 
     def _compute(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> ReplyRows:
