@@ -18,6 +18,14 @@
 #   4. carry .devcarry/bench-data:       bash bench/device/serve_cuda.sh
 #   5.                                   bash bench/device/ffn_h200.sh
 # (2026-12-02: calls 1-5 and two extra serve runs took 1,657 s of the 1,800 s budget.)
+# While helpers edit the working tree, run from a snapshot of HEAD instead (what session 6 did):
+#   git archive HEAD -- . ':!bench/results' | tar -x -C .devcarry/head    # carry .devcarry/head too, and
+#   R=$PWD; mkdir -p /tmp/afore && cp -r .devcarry/head/. /tmp/afore/ && cp -r bench/results /tmp/afore/bench/ \
+#     && ln -sfn $R/.devcarry /tmp/afore/.devcarry && cd /tmp/afore && bash bench/device/<script>.sh
+# (bench/results must come along: ab_gpu.sh calibrates from bench/results/migration.json). The
+# scheduler part of h200.sh needs highspy's wheel in .devcarry/mini. serve_cuda.sh's servers took
+# 459 s to come up on 2026-12-02 (graph capture through the FFN pool): give it a call of its own
+# with VARIANTS of one or two servers.
 mkdir -p /tmp/w /tmp/site
 cp .devcarry/vllm-bundle/piece-* /tmp/w/ 2>/dev/null
 if [ ! -f /tmp/site/.mini ] && ls .devcarry/mini/*.whl > /dev/null 2>&1; then
