@@ -27,6 +27,7 @@ def test_align_pairs_pads_every_slot_to_whole_tiles():
 
 
 def test_torch_backend_handles_empty_and_weights():
+    torch.manual_seed(0)
     x = torch.randn(4, 8)
     w13, w2 = torch.randn(2, 6, 8), torch.randn(2, 8, 3)
     empty = torch.zeros(0, dtype=torch.int64)
@@ -34,7 +35,9 @@ def test_torch_backend_handles_empty_and_weights():
     tok, slot = torch.tensor([1, 1]), torch.tensor([0, 0])
     one = grouped_expert_mlp(x, tok[:1], slot[:1], torch.tensor([1.0]), w13, w2, backend="torch")
     two = grouped_expert_mlp(x, tok, slot, torch.tensor([0.25, 0.5]), w13, w2, backend="torch")
-    assert torch.allclose(two, 0.75 * one, rtol=1e-6, atol=1e-6)
+    # the one-pair and two-pair calls run the GEMMs at different M (other BLAS paths): fp32 rounding of
+    # sums of 8 and 3 products, a few ulps of the row's magnitude (an absolute 1e-6 failed 0.8% of seeds)
+    assert torch.allclose(two, 0.75 * one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
 
 
 def test_unknown_backend_is_rejected():
