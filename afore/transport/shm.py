@@ -340,6 +340,20 @@ class _Sent:
     sent_ns: int
 
 
+def _attach_end(end, name: str, layout: ShmLayout, device, timeout_s: float, native: bool, spin_s: float) -> None:
+    """What both ends set up alike: the device, the attached segment, the C++ plane (``native``),
+    the busy-poll before blocking (``spin_s``), the row size."""
+    end.device = torch.device(device)
+    end.seg = ShmSegment.attach(name, layout, timeout_s)
+    if not spin_s >= 0:
+        raise ValueError(f"spin_s: expected seconds >= 0, got {spin_s}")
+    end._plane, end.spin_s = (end.seg.plane if native else None), float(spin_s)
+    end._dtype = layout.torch_dtype
+    end._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
+    # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
+    end._sums_as_is = not layout.exact and layout.dtype == "float32" and end.device.type == "cpu"
+
+
 class ShmAttentionEnd:
     """Attention worker ``rank``'s end. ``send`` returns a handle; ``recv(handle)`` the combined
     routed-expert output [n, H] (sum of the F sparse replies), in send order. ``native=False``:
@@ -352,15 +366,7 @@ class ShmAttentionEnd:
         if not 0 <= rank < layout.num_attention:
             raise ValueError(f"rank: expected in [0, {layout.num_attention}), got {rank}")
         self.layout, self.rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
-        self.device = torch.device(device)
-        self.seg = ShmSegment.attach(name, layout, timeout_s)
-        if not spin_s >= 0:
-            raise ValueError(f"spin_s: expected seconds >= 0, got {spin_s}")
-        self._plane, self.spin_s = (self.seg.plane if native else None), float(spin_s)
-        self._dtype = layout.torch_dtype
-        self._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
-        # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
-        self._sums_as_is = not layout.exact and layout.dtype == "float32" and self.device.type == "cpu"
+        _attach_end(self, name, layout, device, timeout_s, native, spin_s)
         self.seg.pids[rank] = os.getpid()
         self._counter = 0
         self._inflight: list[_Sent] = []
@@ -485,15 +491,7 @@ class ShmFFNEnd:
         if not 0 <= rank < layout.num_ffn:
             raise ValueError(f"rank: expected in [0, {layout.num_ffn}), got {rank}")
         self.layout, self.ffn_rank, self.timeout_s, self.poll_s = layout, rank, timeout_s, poll_s
-        self.device = torch.device(device)
-        self.seg = ShmSegment.attach(name, layout, timeout_s)
-        if not spin_s >= 0:
-            raise ValueError(f"spin_s: expected seconds >= 0, got {spin_s}")
-        self._plane, self.spin_s = (self.seg.plane if native else None), float(spin_s)
-        self._dtype = layout.torch_dtype
-        self._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
-        # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
-        self._sums_as_is = not layout.exact and layout.dtype == "float32" and self.device.type == "cpu"
+        _attach_end(self, name, layout, device, timeout_s, native, spin_s)
         self.seg.pids[layout.num_attention + rank] = os.getpid()
         self._counter = 0          # next message counter (the same for every attention worker)
         self._peeked: Microbatch | None = None
