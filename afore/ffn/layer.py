@@ -23,10 +23,12 @@ The step reads nothing back to the host between its inputs and its output:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-from afore.ffn.device_plan import DevicePlan
+from afore.ffn.device_plan import DevicePlan, table_width
 from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grouped_expert_mlp, host_sparse_step, routed_expert_step,
                                triton_available)
 from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs, tuned_config
@@ -176,6 +178,71 @@ class FFNLayer:
             raise ValueError(f"hidden: expected rows of {self.pool.hidden}, got {rows.shape[1]}")
         return tokens, rows
 
+    def forward_host_routed(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pool fed by a host transport (shm; on a GPU: one synchronisation per step). The eq. 11
+        bookkeeping runs in numpy on the host ids (``host_route``); only the tokens this worker
+        computes a pair of are gathered (``gather(tokens, out)`` writes their rows into the host
+        tensor ``out``), sent to the device with their routing by one batch of non-blocking copies
+        from pinned memory, and run by the step (its CUDA graph up to the largest bucket) under a
+        *local* plan table that selects exactly this worker's pairs among those tokens; the rows
+        come back into pinned memory, waited for once.
+
+        topk_ids: int32 [N, k] on the host; topk_weights: fp32 [N, k] on the host. Returns (tokens
+        int64 [U] ascending, rows [U, H] on the host in the pool's dtype; a buffer reused by the
+        next call). The sum over the F workers is the dense layer (invariant 1)."""
+        k = self.pool.shape.top_k
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != k or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_ids, topk_weights: expected shape [N, {k}], got {tuple(topk_ids.shape)}, "
+                             f"{tuple(topk_weights.shape)}")
+        if topk_ids.dtype != torch.int32 or not topk_ids.is_cpu or not topk_weights.is_cpu:
+            raise ValueError(f"topk_ids, topk_weights: expected int32 ids and weights on the host, got "
+                             f"{topk_ids.dtype} on {topk_ids.device}, {topk_weights.device}")
+        route = host_route(topk_ids.numpy(), self.plan_table.stage(plan), self.pool.shape.num_experts)
+        if route.dropped_errors:  # ids outside [0, E) on tokens the step does not see (it counts the others)
+            self.errors += route.dropped_errors
+        u = route.tokens.size
+        h = self.pool.hidden
+        staging = self._staging(u)
+        if u == 0:
+            return torch.from_numpy(route.tokens), staging.out[:0]
+        tokens = torch.from_numpy(route.tokens)
+        gather(tokens, staging.rows[:u])
+        torch.index_select(topk_ids, 0, tokens, out=staging.ids[:u])
+        torch.index_select(topk_weights.float(), 0, tokens, out=staging.weights[:u])
+        device = self.pool.device
+        if device.type == "cpu":
+            x, ids, w = staging.rows[:u], staging.ids[:u], staging.weights[:u]
+        else:
+            bufs = self.input_buffers(u) if self.graphs is not None else None
+            if bufs is None:
+                bufs = tuple(torch.empty(t[:u].shape, dtype=t.dtype, device=device)
+                             for t in (staging.rows, staging.ids, staging.weights))
+            for dst, src in zip(bufs, (staging.rows, staging.ids, staging.weights)):
+                dst.copy_(src[:u], non_blocking=True)
+            x, ids, w = bufs
+        self.plan_table.upload(route.local_table, u * k)
+        if self.graphs is not None and u <= self.graphs.max_tokens:
+            out = self.graphs.run(x, ids, w)
+        else:
+            out = routed_expert_step(x, ids, w, self.plan_table.table, self.pool.w13, self.pool.w2, self.errors,
+                                     self.pool.shape.num_experts, self.backend, self.config)
+        if device.type == "cpu":
+            return tokens, out
+        staging.out[:u].copy_(out, non_blocking=True)
+        staging.event.record()
+        staging.event.synchronize()
+        return tokens, staging.out[:u].view(u, h)
+
+    def _staging(self, tokens: int) -> "HostStaging":
+        """This device's host staging buffers, holding at least ``tokens`` rows (shared by the layers)."""
+        key = (self.pool.device, self.pool.dtype, self.pool.hidden, self.pool.shape.top_k)
+        st = _STAGING.get(key)
+        if st is None or st.rows.shape[0] < tokens:
+            st = _STAGING[key] = HostStaging(max(tokens, 2 * st.rows.shape[0] if st else 64), self.pool.hidden,
+                                             self.pool.shape.top_k, self.pool.dtype, self.pool.device)
+        return st
+
     def forward_pairs(self, rows_for, topk_ids: torch.Tensor, topk_weights: torch.Tensor, plan: Plan,
                       splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This worker's token-expert pairs of ``plan`` (eq. 11) computed with vLLM's numerics
@@ -220,3 +287,69 @@ class FFNLayer:
         pair_slot = torch.where(mine, slot_of_expert[flat_ids], -1)
         return grouped_expert_mlp(hidden, pair_token, pair_slot, topk_weights.reshape(-1).float(), self.pool.w13,
                                   self.pool.w2, backend="torch", block_m=self.block_m)
+
+
+class HostStaging:
+    """Host buffers of a host-routed step (``FFNLayer.forward_host_routed``): gathered rows,
+    their ids and weights, and the output rows; pinned on a CUDA pool (non-blocking copies), with
+    the event that the step's last copy records."""
+
+    def __init__(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.rows = torch.empty(tokens, hidden, dtype=dtype, pin_memory=pin)
+        self.ids = torch.empty(tokens, top_k, dtype=torch.int32, pin_memory=pin)
+        self.weights = torch.empty(tokens, top_k, dtype=torch.float32, pin_memory=pin)
+        self.out = torch.empty(tokens, hidden, dtype=dtype, pin_memory=pin)
+        self.event = torch.cuda.Event() if pin else None
+
+
+_STAGING: dict[tuple, HostStaging] = {}
+
+
+class HostRoute(NamedTuple):
+    """This worker's share of one target, computed on the host (``host_route``).
+
+    tokens: int64 [U] ascending, the tokens with at least one pair on this worker; local_table:
+    the plan table (``afore.ffn.device_plan`` layout, n = 0) under which the step, given only
+    those tokens in that order, runs exactly this worker's pairs; dropped_errors: ids outside
+    [0, E) on the other tokens (the step counts those of ``tokens`` itself)."""
+
+    tokens: np.ndarray
+    local_table: np.ndarray
+    dropped_errors: int
+
+
+def host_route(topk_ids: np.ndarray, table: np.ndarray, num_experts: int) -> HostRoute:
+    """Eq. 11 for one worker on the host: which tokens it computes a pair of, and the local table.
+
+    topk_ids: int [N, k] (the gathered routing of the target); table: this worker's plan table
+    (``DevicePlan.stage``). The pairs of expert e that this worker runs have global ordinals in
+    one interval [lo_e, hi_e); keeping only the tokens in ``tokens`` keeps every one of those
+    pairs and their order, so among the kept pairs they are again one interval, starting at the
+    number of kept pairs of e below lo_e: that is the local table's lo, and hi = lo + their count.
+    """
+    n, k = topk_ids.shape
+    ep = table_width(num_experts)
+    flat = topk_ids.reshape(-1).astype(np.int64, copy=False)
+    valid = (flat >= 0) & (flat < num_experts)
+    binned = np.where(valid, flat, num_experts)   # bad ids: a bin of their own, never run
+    order = np.argsort(binned, kind="stable")
+    counts = np.bincount(binned, minlength=num_experts + 1)
+    ordinals = np.empty(flat.size, np.int64)
+    ordinals[order] = np.arange(flat.size) - (np.cumsum(counts) - counts)[binned[order]]
+    ex = np.where(valid, flat, 0)
+    lo = table[ex].astype(np.int64)
+    mine = valid & (ordinals >= lo) & (ordinals < table[ep + ex])
+    has = mine.reshape(n, k).any(axis=1)
+    tokens = np.flatnonzero(has)
+    kept = np.repeat(has, k)
+    before = kept & valid & ~mine & (ordinals < lo)   # kept pairs of e ranked below this worker's interval
+    local = table.copy()
+    start = np.bincount(ex[before], minlength=num_experts)[:num_experts].astype(np.int64)
+    count = np.bincount(ex[mine], minlength=num_experts)[:num_experts].astype(np.int64)
+    works = table[2 * ep: 2 * ep + num_experts] >= 0
+    local[:num_experts] = np.where(works, start, 0)
+    local[ep: ep + num_experts] = np.where(works, start + count, 0)
+    local[3 * ep] = 0
+    dropped = int(np.count_nonzero(~valid & ~kept))
+    return HostRoute(tokens, local, dropped)

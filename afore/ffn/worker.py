@@ -48,7 +48,6 @@ from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
 from afore.plan import Plan, primary_only_plan
-from afore.ffn.partition import worker_mask
 from afore.transport.base import Microbatch, ReplyRows
 from afore.transport.connector import FFNConnector, TransportConfig
 
@@ -285,12 +284,11 @@ class FFNWorker:
 
     def _routed_counts(self, mb: Microbatch) -> np.ndarray | None:
         """int64[E]: the valid token-expert pairs per expert of ``mb``, counted where its ids
-        are on the host (CPU workers; the shm transport keeps a host copy); None when they are
-        only on a GPU (counting would be a host sync on the step)."""
-        ids = mb.topk_ids if mb.topk_ids.device.type == "cpu" else mb.host_topk_ids
-        if ids is None:
+        are on the host (CPU workers, the shm transport); None when they are only on a GPU
+        (the torch transport on CUDA: counting would be a host sync on the step)."""
+        if mb.topk_ids.device.type != "cpu":
             return None
-        return count_host(ids.numpy(), self.shape.num_experts)
+        return count_host(mb.topk_ids.numpy(), self.shape.num_experts)
 
     def _accept(self, plan: Plan, mb: Microbatch) -> bool:
         """Validate ``plan`` for ``mb`` and submit its copies (Migrator.prepare), then stage it on
@@ -368,18 +366,15 @@ class FFNWorker:
             start.record()
         self._rows_ns = 0
         if self.cfg.exact:  # a row per pair of this worker, as vLLM computes it (afore.ffn.exact)
-            reply = ReplyRows(*layer.forward_pairs(mb.rows_for, mb.topk_ids, mb.topk_weights, plan, mb.splits))
+            ids, weights = (t.to(self.device) for t in (mb.topk_ids, mb.topk_weights))
+            reply = ReplyRows(*layer.forward_pairs(mb.rows_for, ids, weights, plan, mb.splits))
         elif mb.hidden is not None:  # the transport delivered every row (torch): reply densely
             partial = layer.forward(mb.hidden, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
             reply = ReplyRows.dense(partial)
         elif layer.sparse_on_host:  # sparse on a CPU pool: the bookkeeping in numpy, one pass
             reply = ReplyRows(*layer.forward_sparse(mb.rows_for, mb.topk_ids, mb.topk_weights, plan))
-        else:  # sparse: read and return only the rows of the tokens this worker computes
-            tokens = self._my_tokens(layer, mb, plan)
-            rows = mb.rows_for(tokens)
-            self._rows_ns = time.perf_counter_ns()
-            partial = layer.forward(rows, mb.topk_ids, mb.topk_weights, plan, self.cfg.rank)
-            reply = ReplyRows(tokens, partial.index_select(0, tokens))
+        else:  # sparse on a GPU pool fed from host buffers (shm): routed on the host, one sync
+            reply = ReplyRows(*layer.forward_host_routed(mb.source.gather_into, mb.topk_ids, mb.topk_weights, plan))
         if timed:
             end.record()
             self._events = (start, end)
@@ -390,13 +385,6 @@ class FFNWorker:
             if self.window_reporter is not None:
                 self.window_reporter.report(record.window_ms)
         return reply
-
-    def _my_tokens(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> torch.Tensor:
-        """int64 [U], ascending: the gathered tokens with at least one pair on this worker (eq. 11)."""
-        ids = mb.topk_ids  # ids outside [0, E) run nowhere (worker_mask; the layer counts them)
-        assignment = torch.from_numpy(plan.assignment).to(self.device, non_blocking=True)
-        mine = worker_mask(ids, assignment, self._owner, self.cfg.rank).view(ids.shape)
-        return mine.any(1).nonzero().squeeze(1)
 
     def run(self, report_s: float = 10.0) -> None:
         """Serve targets until ``stop_event`` is set (SIGTERM in ``main``); logs the plan counters

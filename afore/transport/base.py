@@ -44,14 +44,13 @@ class Microbatch:
     target: Target
     seq: int
     hidden: torch.Tensor | None  # [N, H]
-    topk_ids: torch.Tensor       # int32 [N, k]
-    topk_weights: torch.Tensor   # fp32 [N, k]
+    topk_ids: torch.Tensor       # int32 [N, k]: on the worker's device (torch), on the host (shm)
+    topk_weights: torch.Tensor   # fp32 [N, k]: with topk_ids
     splits: list[int]            # rows per attention worker
     arrived: float = 0.0         # time.perf_counter() when the last part arrived
     ready: object = None         # CUDA event on the receive stream (None on CPU)
     source: object = None        # lazy rows (``gather(tokens)``, ``dense()``), when hidden is None
     counter: int = 0             # transport message number
-    host_topk_ids: torch.Tensor | None = None  # the ids in host memory when topk_ids is on a GPU (shm)
 
     @property
     def num_tokens(self) -> int:

@@ -179,6 +179,7 @@ class ShmSegment:
         self.votes = view("votes", np.int32, (f, 2))
         self._raw = torch.frombuffer(self.mm, dtype=torch.uint8)
         self._views: dict[tuple, tuple] = {}
+        self.pinned = False  # page-locked for CUDA (``pin``)
         self.plane = None  # the C++ hot path over this mapping (None: the extension lacks it)
         if _DataPlane is not None:
             es = torch.empty(0, dtype=layout.torch_dtype).element_size()
@@ -268,7 +269,19 @@ class ShmSegment:
         base = self.off["rep_data"] + ((f * lay.num_attention + a) * lay.depth + d) * lay.rep_slot_bytes(es)
         return self.tensor(base, lay.torch_dtype, (t, h)), self.tensor(base + t * h * es, torch.int32, (t,))
 
+    def pin(self) -> bool:
+        """Page-lock the mapping for CUDA (``cudaHostRegister``): copies between a GPU and the slots
+        then run by DMA at full rate and may be non-blocking. False if the driver refused (copies
+        still work, staged and synchronous)."""
+        if not self.pinned:
+            cudart = torch.cuda.cudart()
+            self.pinned = int(cudart.cudaHostRegister(self.base, self.off["size"], 0)) == 0
+        return self.pinned
+
     def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self.pinned = False
         self.plane = None
         self._raw = None
         self._views.clear()
@@ -348,6 +361,8 @@ def _attach_end(end, name: str, layout: ShmLayout, device, timeout_s: float, nat
     if not spin_s >= 0:
         raise ValueError(f"spin_s: expected seconds >= 0, got {spin_s}")
     end._plane, end.spin_s = (end.seg.plane if native else None), float(spin_s)
+    # a GPU end's copies to and from the slots: DMA from page-locked memory, non-blocking
+    end._pinned = end.device.type == "cuda" and end.seg.pin()
     end._dtype = layout.torch_dtype
     end._row_bytes = layout.hidden * torch.empty(0, dtype=layout.torch_dtype).element_size()
     # recv hands the fp32 sums out as they are (no .to) when that is what this end wants
@@ -414,9 +429,13 @@ class ShmAttentionEnd:
             head[0] = c
             if n:
                 h, ids, w = seg.req_views(self.rank, d)
-                h[:n].copy_(hidden)
-                ids[:n].copy_(topk_ids)
-                w[:n].copy_(topk_weights)
+                # into page-locked slots: three non-blocking copies, then one wait for all of them
+                blocking = not (self._pinned and hidden.is_cuda)
+                h[:n].copy_(hidden, non_blocking=not blocking)
+                ids[:n].copy_(topk_ids, non_blocking=not blocking)
+                w[:n].copy_(topk_weights, non_blocking=not blocking)
+                if not blocking:
+                    torch.cuda.current_stream(hidden.device).synchronize()
             head[1:6] = (seq, target.step, target.layer, target.microbatch, n)
             head[6] = c
             seg.req_ready[self.rank, d] = _word(c)
@@ -437,7 +456,9 @@ class ShmAttentionEnd:
         deadline = time.monotonic() + self.timeout_s
         if self._plane is not None:
             # exact: every pair's row, summed below as vLLM sums them; else partial sums per token
-            out = torch.empty(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32)
+            # page-locked on a GPU end: the copy to the device (``_finish``) is then non-blocking
+            out = torch.empty(sent.num_tokens * k, lay.hidden, dtype=lay.torch_dtype if lay.exact else torch.float32,
+                              pin_memory=self.device.type == "cuda")
             t = sent.target
             rows = self._plane.combine(self.rank, sent.counter, sent.seq, t.step, t.layer, t.microbatch, sent.num_tokens,
                                        out.data_ptr(), deadline, self.poll_s, self.spin_s)
@@ -466,11 +487,12 @@ class ShmAttentionEnd:
     def _finish(self, out: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """The routed-expert output [n, H] on this end's device from the combined replies ``out``."""
         lay = self.layout
+        pinned = self.device.type == "cuda"  # ``recv`` made ``out`` page-locked
         if lay.exact:
             from afore.ffn.exact import pair_sum
 
-            return pair_sum(out.to(self.device).view(n, k, lay.hidden))
-        return out.to(device=self.device, dtype=lay.torch_dtype)
+            return pair_sum(out.to(self.device, non_blocking=pinned).view(n, k, lay.hidden))
+        return out.to(device=self.device, non_blocking=pinned).to(lay.torch_dtype)
 
     def exchange(self, target: Target, seq: int, hidden, topk_ids, topk_weights) -> torch.Tensor:
         return self.recv(self.send(target, seq, hidden, topk_ids, topk_weights))
@@ -548,13 +570,12 @@ class ShmFFNEnd:
             weights.append(w[:n])
         # ids and weights of every sender are read whole (every worker partitions the same gathered
         # routing, eq. 11); hidden rows stay in shared memory until gather_rows
-        host_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
-        topk_ids = host_ids.to(self.device)
-        topk_weights = (weights[0] if len(weights) == 1 else torch.cat(weights)).to(self.device)
+        # the routing stays on the host on every device: GPU workers route there (FFNLayer.forward_host_routed)
+        topk_ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        topk_weights = weights[0] if len(weights) == 1 else torch.cat(weights)
         self.bytes_received += sum(splits) * lay.top_k * 8
         return Microbatch(key[1], key[0], None, topk_ids, topk_weights, splits, time.perf_counter(), None,
-                          source=_ShmRows(self, views), counter=c,
-                          host_topk_ids=host_ids if self.device.type != "cpu" else None)
+                          source=_ShmRows(self, views), counter=c)
 
     def _read_native(self, c: int) -> Microbatch:
         """``_read`` with the headers checked in C++ and the slot views cached; ids and weights of
@@ -571,11 +592,8 @@ class ShmFFNEnd:
             weights = torch.empty(total, lay.top_k, dtype=torch.float32)
             self._plane.gather_routing(c, splits, host_ids.data_ptr(), weights.data_ptr())
         self.bytes_received += sum(splits) * lay.top_k * 8
-        on_host = self.device.type == "cpu"
-        return Microbatch(Target(step, layer, mb), seq, None, host_ids if on_host else host_ids.to(self.device),
-                          weights if on_host else weights.to(self.device), splits, time.perf_counter(), None,
-                          source=_ShmRows(self, [p[0] for p in prefixes], c, splits), counter=c,
-                          host_topk_ids=None if on_host else host_ids)
+        return Microbatch(Target(step, layer, mb), seq, None, host_ids, weights, splits, time.perf_counter(), None,
+                          source=_ShmRows(self, [p[0] for p in prefixes], c, splits), counter=c)
 
     def recv(self, timeout_s: float | None = None) -> Microbatch | None:
         """The next target, or None after ``timeout_s`` (None: wait forever)."""
@@ -707,6 +725,28 @@ class _ShmRows:
             out = torch.cat([v.index_select(0, t[cut[a]:cut[a + 1]] - offsets[a]) for a, v in enumerate(self.views)])
         self.end.bytes_received += out.numel() * out.element_size()
         return out.to(self.end.device)
+
+    def gather_into(self, tokens: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the hidden rows of gathered token indices ``tokens`` (int64 [U] on the host,
+        ascending) into the contiguous host tensor ``out`` [U, H] of the layout's dtype (e.g. a
+        pinned staging buffer)."""
+        lay = self.end.layout
+        if out.shape != (tokens.shape[0], lay.hidden) or out.dtype != lay.torch_dtype or not out.is_cpu \
+                or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous host tensor [{tokens.shape[0]}, {lay.hidden}] of "
+                             f"{lay.torch_dtype}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        plane = self.end._plane
+        if plane is not None and self.counter is not None:
+            t = _host(tokens, torch.int64)
+            plane.gather_rows(self.counter, self.splits, t.data_ptr(), t.shape[0], out.data_ptr())
+        elif len(self.views) == 1:
+            torch.index_select(self.views[0], 0, tokens, out=out)
+        else:
+            offsets = torch.tensor([0] + list(np.cumsum([v.shape[0] for v in self.views])), dtype=torch.int64)
+            cut = torch.searchsorted(tokens, offsets).tolist()
+            for a, v in enumerate(self.views):
+                torch.index_select(v, 0, tokens[cut[a]:cut[a + 1]] - offsets[a], out=out[cut[a]:cut[a + 1]])
+        self.end.bytes_received += out.numel() * out.element_size()
 
     def view_for(self, tokens: torch.Tensor) -> torch.Tensor:
         """One sender: its whole slot [N, H] as a view (no copy); the expert kernel reads only the

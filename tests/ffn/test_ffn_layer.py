@@ -120,6 +120,54 @@ def test_host_sparse_step_equals_the_torch_step(shape, n, seed, fill, bad, stale
         assert torch.equal(covered, ((ids >= 0) & (ids < e)).view(-1).long())
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1),
+       bad=st.integers(0, 3), stale=st.booleans())
+def test_host_routed_step_equals_the_dense_step(shape, n, seed, fill, bad, stale):
+    """GPU workers fed by the shm transport route on the host (``forward_host_routed``): the step
+    sees only the tokens with a pair on the worker, under a local table. Its tokens are exactly
+    those, its rows equal the full step's rows of those tokens bit for bit (the same pairs in the
+    same groups), ids outside [0, E) are counted once whether or not their token is kept, also for a
+    plan made for other demand."""
+    rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
+    ids = ids.to(torch.int32)
+    e = shape.num_experts
+    if stale:
+        demand = rng.permutation(demand)
+    if n and bad:
+        flat = ids.view(-1)
+        flat[torch.from_numpy(rng.choice(flat.numel(), min(bad, flat.numel()), replace=False))] = \
+            torch.tensor([-1, e, e + 5][:min(bad, flat.numel())], dtype=ids.dtype)
+    table = random_slot_table(shape, rng, fill)
+    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
+    pools = make_pools(shape, table, w13, w2)
+    apply_copies(pools, plan, w13, w2)
+    owner = torch.as_tensor(shape.primary_owner)
+    total = torch.zeros(n, H, dtype=torch.float64)
+    for w, pool in enumerate(pools):
+        dense_layer, routed_layer = FFNLayer(pool, backend="torch"), FFNLayer(pool, backend="torch")
+        dense = dense_layer.forward(hidden, ids, weights, plan, w)
+        gathered = []
+
+        def gather(tokens, out):
+            gathered.append(tokens.clone())
+            out.copy_(hidden[tokens])
+
+        tokens, rows = routed_layer.forward_host_routed(gather, ids, weights, plan)
+        mask = worker_mask(ids, torch.as_tensor(plan.assignment), owner, w)
+        want = torch.nonzero(mask.view(n, shape.top_k).any(1)).squeeze(1) if n else torch.zeros(0, dtype=torch.int64)
+        assert torch.equal(tokens, want)
+        assert all(torch.equal(g, want) for g in gathered)  # only this worker's rows are read
+        assert torch.equal(rows, dense[tokens])
+        assert routed_layer.input_errors() == dense_layer.input_errors()
+        total[tokens] += rows.double()
+    if n:
+        ref = dense_moe(hidden, ids.masked_fill((ids < 0) | (ids >= e), 0), weights.masked_fill((ids < 0) | (ids >= e), 0),
+                        w13, w2)
+        assert float((total - ref).norm() / ref.norm().clamp_min(1e-30)) <= 1e-5
+
+
 def test_partition_is_exact_and_matches_assignment():
     rng = np.random.default_rng(3)
     shape = ClusterShape(num_experts=12, num_workers=4, redundant_slots=3, top_k=4, m_tile=4)

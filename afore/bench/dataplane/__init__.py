@@ -1,7 +1,8 @@
 """``afore bench dataplane --part PART``: benchmarks of the data plane, one module per part.
 
 Parts: ``ffn`` (the FFN worker's step: partition, grouped GEMM, combine; ``afore.bench.dataplane.ffn``),
-``transport`` (the A2F/F2A transports and decode through ``afore serve``; ``afore.bench.dataplane.transport``).
+``transport`` (the A2F/F2A transports and decode through ``afore serve``; ``afore.bench.dataplane.transport``),
+``pipeline`` (decode steps through real FFN worker processes without vLLM, per-stage; ``afore.bench.dataplane.pipeline``).
 Each part adds its own options and writes its own report under ``bench/results/``.
 """
 
@@ -14,6 +15,7 @@ import sys
 PARTS: dict[str, str] = {
     "ffn": "afore.bench.dataplane.ffn",
     "transport": "afore.bench.dataplane.transport",
+    "pipeline": "afore.bench.dataplane.pipeline",
 }
 
 

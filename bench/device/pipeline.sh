@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The data plane on one GPU without vLLM: the FFN step and shm round-trip tests on CUDA, then
+# `afore bench dataplane --part pipeline` (one attention end, F FFN worker processes on the same
+# GPU, Qwen3-30B-A3B expert shapes) on this tree and, when .devcarry/before holds a `git archive`
+# of an earlier commit, on that one too (the same bench file copied in): before/after in one run.
+#   bash bench/device/pipeline.sh        # writes $OUT/dataplane_pipeline_h200*.{json,md}, $OUT/ffn_e2e_cuda.log
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+R=$PWD
+source bench/device/stage.sh || exit 1
+TOKENS=${TOKENS:-1,8,64,256}
+[ -n "${SKIP_TESTS:-}" ] || OUT=$OUT GPU_TIMEOUT=${GPU_TIMEOUT:-240} bash bench/device/ffn_e2e_cuda.sh > /dev/null 2>&1
+tail -3 "$OUT/ffn_e2e_cuda.log" 2>/dev/null
+timeout ${PIPE_TIMEOUT:-240} python3 -m afore.cli bench dataplane --part pipeline --device cuda --pipe-tokens $TOKENS \
+  --pipe-steps ${STEPS:-100} --out-dir "$OUT" --name dataplane_pipeline_h200 2>&1 | tail -30
+if [ -d .devcarry/before/afore ]; then
+  cp afore/_*.so .devcarry/before/afore/ && cp afore/bench/dataplane/pipeline.py afore/bench/dataplane/__init__.py \
+    .devcarry/before/afore/bench/dataplane/
+  (cd .devcarry/before && PYTHONPATH=/tmp/site:$PWD timeout ${PIPE_TIMEOUT:-240} python3 -m afore.cli bench dataplane \
+    --part pipeline --device cuda --pipe-tokens $TOKENS --pipe-steps ${STEPS:-100} --out-dir "$OUT" \
+    --name dataplane_pipeline_h200_before 2>&1 | tail -30)
+fi
