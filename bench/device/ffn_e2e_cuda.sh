@@ -13,7 +13,8 @@ source bench/device/stage.sh || exit 1
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/ffn_e2e_cuda.log"
 # the --exact case compares with vLLM's own fused_experts: it needs vLLM (the bundle unpacked);
 # before that it is left for bench/device/ffn_h200.sh, which runs it
-sel=(); python3 -c "import vllm" 2>/dev/null || { sel=(-k "not (cuda and True)"); echo "vLLM not unpacked yet: the --exact CUDA case runs in ffn_h200.sh" | tee -a "$OUT/ffn_e2e_cuda.log"; }
+sel=(); [ -z "${PYTEST_K:-}" ] || sel=(-k "$PYTEST_K")
+python3 -c "import vllm" 2>/dev/null || { sel=(-k "${PYTEST_K:+($PYTEST_K) and }not (cuda and True)"); echo "vLLM not unpacked yet: the --exact CUDA case runs in ffn_h200.sh" | tee -a "$OUT/ffn_e2e_cuda.log"; }
 timeout "${GPU_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -v -rA -m gpu --timeout "${TEST_TIMEOUT:-150}" \
   -o faulthandler_timeout=100 "${sel[@]}" tests/ffn/test_step_gpu.py tests/transport/test_ffn_end_to_end.py 2>&1 | tee -a "$OUT/ffn_e2e_cuda.log"
 echo "pytest exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/ffn_e2e_cuda.log"

@@ -10,10 +10,15 @@ export PYTHONUNBUFFERED=1
 R=$PWD
 source bench/device/stage.sh || exit 1
 TOKENS=${TOKENS:-1,8,64,256}
-[ -n "${SKIP_TESTS:-}" ] || OUT=$OUT GPU_TIMEOUT=${GPU_TIMEOUT:-240} bash bench/device/ffn_e2e_cuda.sh > /dev/null 2>&1
+# TESTS: pytest -k expression for the FFN step and round-trip tests (all of them by default; "none" skips)
+[ "${TESTS:-}" = none ] || OUT=$OUT GPU_TIMEOUT=${GPU_TIMEOUT:-240} PYTEST_K="${TESTS:-}" bash bench/device/ffn_e2e_cuda.sh > /dev/null 2>&1
 tail -3 "$OUT/ffn_e2e_cuda.log" 2>/dev/null
-timeout ${PIPE_TIMEOUT:-240} python3 -m afore.cli bench dataplane --part pipeline --device cuda --pipe-tokens $TOKENS \
-  --pipe-steps ${STEPS:-100} --out-dir "$OUT" --name dataplane_pipeline_h200 2>&1 | tail -30
+# FFNS: the FFN worker counts to run, one report each (F = 2: dataplane_pipeline_h200, else _f<F>)
+for f in ${FFNS:-2}; do
+  name=dataplane_pipeline_h200; [ "$f" = 2 ] || name=${name}_f$f
+  timeout ${PIPE_TIMEOUT:-240} python3 -m afore.cli bench dataplane --part pipeline --device cuda --pipe-tokens $TOKENS \
+    --pipe-ffn $f --pipe-steps ${STEPS:-100} --out-dir "$OUT" --name $name 2>&1 | tail -30
+done
 if [ -d .devcarry/before/afore ]; then
   cp afore/_*.so .devcarry/before/afore/ && cp afore/bench/dataplane/pipeline.py afore/bench/dataplane/__init__.py \
     .devcarry/before/afore/bench/dataplane/

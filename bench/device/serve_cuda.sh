@@ -38,6 +38,14 @@ PY
 echo "checkpoint ready after $(( $(date +%s) - t0 )) s"
 common=(--dtype bfloat16 --max-model-len 2048 --seed 0)
 memory=(--gpu-memory-utilization 0.2 --kv-cache-memory-bytes $((4 << 30)))
+# CAPTURE=N: CUDA graphs for batch sizes up to N only, in every server (vLLM's default captures 51
+# sizes, which afore's piecewise capture runs through the FFN pool: minutes of start-up)
+if [ -n "${CAPTURE:-}" ] && python3 -m vllm.entrypoints.openai.api_server --help=all 2>/dev/null | grep -q -- --max-cudagraph-capture-size; then
+  memory+=(--max-cudagraph-capture-size "$CAPTURE")
+elif [ -n "${CAPTURE:-}" ]; then
+  echo "CAPTURE=$CAPTURE ignored: this vLLM has no --max-cudagraph-capture-size"
+fi
+FFN=${FFN:-2}  # FFN worker processes of each afore server, all on this one GPU
 python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port 8100 "${common[@]}" "${memory[@]}" \
   > "$OUT/plain-vllm.log" 2>&1 &
 pids=($!); servers="vllm=http://127.0.0.1:8100"; port=8000
@@ -45,7 +53,7 @@ for v in $VARIANTS; do
   t=${v%%+*}; extra=(); [ "$v" = "${v%+nopace}" ] || extra=(--copy-rate-gbps 0); [ "$v" = "${v%+exact}" ] || extra+=(--exact)
   rm -f /tmp/stages-$v.*
   AFORE_STAGE_TRACE=/tmp/stages-$v python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 \
-    --ffn-workers 2 --colocate --transport $t "${extra[@]}" --policy afore --host 127.0.0.1 --port $port --verbose \
+    --ffn-workers $FFN --colocate --transport $t "${extra[@]}" --policy afore --host 127.0.0.1 --port $port --verbose \
     "${common[@]}" "${memory[@]/#/--vllm-arg=}" > "$OUT/afore-$v.log" 2>&1 &
   pids+=($!); servers="$servers,afore-$v=http://127.0.0.1:$port"; port=$((port + 10))
 done
@@ -57,7 +65,7 @@ for _ in range(400):
     except OSError: time.sleep(1)" "${url#*=}"
 done
 echo "servers up after $(( $(date +%s) - t0 )) s"
-note="1 x NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, bf16, CUDA graphs. Random weights at Qwen3-30B-A3B shapes, first $LAYERS of 48 layers. afore: A=1, F=2 colocated on the same GPU, policy afore, one server per transport (shm, torch-gloo; CUDA tensors staged through the host in both): this measures afore's overhead against plain vLLM on one GPU, not AFD's benefit."
+note="1 x NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, bf16, CUDA graphs${CAPTURE:+ up to batch $CAPTURE}. Random weights at Qwen3-30B-A3B shapes, first $LAYERS of 48 layers. afore: A=1, F=$FFN colocated on the same GPU, policy afore, one server per transport (shm, torch-gloo; CUDA tensors staged through the host in both): this measures afore's overhead against plain vLLM on one GPU, not AFD's benefit."
 # a sampling profile (py-spy, carried in .devcarry/mini) of every process of the first afore
 # server during the first 40 s of the benchmarks (plain vLLM runs first, for a few seconds)
 spy=/tmp/site/bin/py-spy

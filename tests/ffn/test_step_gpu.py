@@ -161,6 +161,9 @@ def test_host_routed_step_sums_to_the_dense_layer(dtype):
             full = layer.forward(x.cuda(), ids.cuda(), weights.cuda(), plan, w).cpu()
             tokens, rows = layer.forward_host_routed(lambda t, out: out.copy_(x[t]), ids, weights, plan)
             assert rows.device.type == "cpu" and rows.dtype == dtype
+            if tokens.numel() == 0:  # this worker has no pair of the target
+                assert rows.shape == (0, H) and not full.any()
+                continue
             scale = full.abs().max().item() + 1e-30
             tol = 1e-6 if dtype == torch.float32 else 1e-2
             assert (rows.float() - full[tokens].float()).abs().max().item() <= tol * scale
