@@ -14,11 +14,12 @@ TOKENS=${TOKENS:-1,8,64,256}
 [ "${TESTS:-}" = none ] || OUT=$OUT GPU_TIMEOUT=${GPU_TIMEOUT:-240} PYTEST_K="${TESTS:-}" bash bench/device/ffn_e2e_cuda.sh > /dev/null 2>&1
 tail -3 "$OUT/ffn_e2e_cuda.log" 2>/dev/null
 # FFNS: the FFN worker counts to run, one report each (F = 2: dataplane_pipeline_h200, else _f<F>)
-for f in ${FFNS:-2}; do
-  name=dataplane_pipeline_h200; [ "$f" = 2 ] || name=${name}_f$f
+# MBS: targets per MoE call to run (M = 2: no suffix, else _m<M>)
+for f in ${FFNS:-2}; do for m in ${MBS:-2}; do
+  name=dataplane_pipeline_h200; [ "$f" = 2 ] || name=${name}_f$f; [ "$m" = 2 ] || name=${name}_m$m
   timeout ${PIPE_TIMEOUT:-240} python3 -m afore.cli bench dataplane --part pipeline --device cuda --pipe-tokens $TOKENS \
-    --pipe-ffn $f --pipe-steps ${STEPS:-100} --out-dir "$OUT" --name $name 2>&1 | tail -30
-done
+    --pipe-ffn $f --pipe-microbatches $m --pipe-steps ${STEPS:-100} --out-dir "$OUT" --name $name 2>&1 | grep "^T=\|up after"
+done; done
 if [ -d .devcarry/before/afore ]; then
   cp afore/_*.so .devcarry/before/afore/ && cp afore/bench/dataplane/pipeline.py afore/bench/dataplane/__init__.py \
     .devcarry/before/afore/bench/dataplane/
