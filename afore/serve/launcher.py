@@ -71,12 +71,15 @@ PRIMARY_LAYOUTS = ("contiguous", "affinity")
 
 
 def default_microbatches(device: str) -> int:
-    """Targets per MoE call when ``--microbatches`` is not given. On CPU the per-target cost (a
-    wake-up of every FFN worker, a plan, a vote) dominates small decode steps and there is no
-    ping-pong to hide it, so one target per call (measured on the 2-core machine: median ITL
-    25.7 ms with 1, 38.4 ms with 2, bench/results/dataplane_transport_cpu.md); on a GPU two, so
-    that the next target's plan is read and its copies start while one computes."""
-    return 2 if device == "cuda" else 1
+    """Targets per MoE call when ``--microbatches`` is not given: one, on CPU and GPU. The
+    per-target cost (a wake-up of every FFN worker, a plan, a vote, the step's launch) dominates
+    small decode steps and, without ping-pong, nothing hides it: measured on the 2-core machine,
+    median ITL 25.7 ms with 1, 38.4 ms with 2 (bench/results/dataplane_transport_cpu.md); on one
+    H200 (F = 1, Qwen3-30B-A3B shapes, 4 layers), 11.1 ms with 1 and 13.5 ms with 2
+    (bench/results/serve_cuda_h200.md, run 3), and a 1-token decode step of the data plane alone
+    5.3 ms against 8.8 ms (dataplane_pipeline_h200_f1_m1.md against _f1_run2.md, one call)."""
+    del device  # the same on both until ping-pong overlaps a target's FFN with the next one's attention
+    return 1
 
 
 class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
