@@ -1,7 +1,8 @@
 """Intra-node A2F/F2A transport: shared buffers in one POSIX shared-memory segment, sparse reads.
 
 For attention and FFN workers on one node (``afore serve`` on one machine, ``--colocate``, one
-GPU shared by several workers on a CUDA host with host staging). No sockets, no collective: each
+GPU shared by several workers: the segment is page-locked for CUDA ends, GPU FFN workers route on
+the host, ``FFNLayer.forward_host_routed``). No sockets, no collective: each
 attention worker writes a target's tokens once into its own request slot; every FFN worker reads
 the routing ids of all A senders (N*k int32, needed for the exact partition, eq. 11), then gathers
 only the hidden rows of the tokens it computes; each FFN worker writes weighted partial sums for
