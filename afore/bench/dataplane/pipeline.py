@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import socket
 import sys
 import tempfile
@@ -94,11 +95,8 @@ def _pct(values, q) -> float:
 
 
 def measure(args: argparse.Namespace, device: torch.device, log=print) -> dict:
-    from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
-    from afore.metrics.trace import TRACE_ENV, read_trace
-    from afore.plan import Target
-    from afore.transport.shm import ShmAttentionEnd, ShmLayout, ShmSegment
-
+    """Run the bench (ValueError naming a bad option before anything starts); the checkpoint
+    written for it is removed at the end."""
     shape_name = args.pipe_shape or ("qwen3-30b-a3b" if device.type == "cuda" else "small")
     hidden, experts, inter, top_k = SHAPES[shape_name]
     dtype_name = args.pipe_dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -113,6 +111,20 @@ def measure(args: argparse.Namespace, device: torch.device, log=print) -> dict:
             raise ValueError(f"{name}: expected >= 1, got {value}")
     work = Path(tempfile.mkdtemp(prefix="afore-pipeline-"))
     t0 = time.monotonic()
+    try:
+        return _measure(args, device, log, work, t0, shape_name, dtype_name, dtype, tokens_list)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the checkpoint: GBs at the GPU shapes
+
+
+def _measure(args, device, log, work, t0, shape_name, dtype_name, dtype, tokens_list) -> dict:
+    from afore.ffn.worker import FFNWorkerConfig, start_ffn_workers, stop_ffn_workers
+    from afore.metrics.trace import TRACE_ENV
+    from afore.plan import Target
+    from afore.transport.shm import ShmAttentionEnd, ShmLayout, ShmSegment
+
+    hidden, experts, inter, top_k = SHAPES[shape_name]
+    layers, f, m = args.pipe_layers, args.pipe_ffn, args.pipe_microbatches
     model = write_checkpoint(work / "model", hidden, experts, inter, top_k, layers, dtype, args.seed)
     log(f"checkpoint: {shape_name} x {layers} layers, {dtype_name}, written in {time.monotonic() - t0:.1f} s")
     max_tokens = -(-max(tokens_list) // m)
