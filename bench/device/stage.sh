@@ -5,7 +5,8 @@
 #     copied to /tmp/w; once all pieces and unpack.sh are there, vLLM is unpacked into /tmp/site;
 #   - .devcarry/mini/*.whl (pip download --no-deps ... msgspec prometheus_client psutil safetensors
 #     pytest pluggy iniconfig packaging pygments fastapi starlette uvicorn pydantic pydantic-core anyio
-#     sniffio h11 click typing_extensions typing-inspection annotated-types idna): installed into
+#     sniffio h11 click typing_extensions typing-inspection annotated-types idna highspy py-spy; fastapi<0.137:
+#     0.165 imports opentelemetry, which the host lacks): installed into
 #     /tmp/site once, only the packages the host's Python lacks;
 #   - afore's C++ extensions: built once with cmake (bench/device/build_afore.sh), plus a dist-info
 #     so that vLLM finds the plugin's entry point.
@@ -18,6 +19,10 @@
 #   4. carry .devcarry/bench-data:       bash bench/device/serve_cuda.sh
 #   5.                                   bash bench/device/ffn_h200.sh
 # (2026-12-02: calls 1-5 and two extra serve runs took 1,657 s of the 1,800 s budget.)
+# Pieces survive only while the machine stays warm (it goes back 30 s after a call): carry the
+# three pieces in three back-to-back calls of one machine session, or the unpack finds too few.
+# 2026-12-02 (session 7): bench/device/pipeline.sh needs only .devcarry/mini (no vLLM); a serve run
+# with FFN=1 CAPTURE=16 VARIANTS=shm DATASETS=gsm8k took 130-200 s including start-up.
 # While helpers edit the working tree, run from a snapshot of HEAD instead (what session 6 did):
 #   git archive HEAD -- . ':!bench/results' | tar -x -C .devcarry/head    # carry .devcarry/head too, and
 #   R=$PWD; mkdir -p /tmp/afore && cp -r .devcarry/head/. /tmp/afore/ && cp -r bench/results /tmp/afore/bench/ \
