@@ -6,8 +6,9 @@ Columns (times: ``time.perf_counter_ns()``, comparable with the attention trace'
     read and checked), computed_ns (expert compute done), agreed_ns (every worker voted, after
     the compute; a rare second compute when the vote failed comes before it), sent_ns (the reply
     handed to the transport, stamped before it is published), used (1: the scheduler's plan ran, 0: primary-only),
-    rows_ns (inside the compute: the hidden rows of this worker's tokens read onto its device; 0 on
-    paths that read them inside the kernel call or received them whole),
+    rows_ns (inside the compute: the hidden rows of this worker's tokens gathered into pinned host
+    memory, GPU workers on the shm transport; 0 on paths that read them inside the step or
+    received them whole),
     device_ns (CUDA workers: the GPU time of the compute on the worker's stream, from CUDA events
     around it, read after the reply's device-to-host copy completed it; 0 on CPU), published_ns (the
     transport's send returned: on a GPU the reply's device-to-host copy and the publish)

@@ -374,7 +374,12 @@ class FFNWorker:
         elif layer.sparse_on_host:  # sparse on a CPU pool: the bookkeeping in numpy, one pass
             reply = ReplyRows(*layer.forward_sparse(mb.rows_for, mb.topk_ids, mb.topk_weights, plan))
         else:  # sparse on a GPU pool fed from host buffers (shm): routed on the host, one sync
-            reply = ReplyRows(*layer.forward_host_routed(mb.source.gather_into, mb.topk_ids, mb.topk_weights, plan))
+            gather = mb.source.gather_into
+            if self.trace.enabled:  # stamp when this worker's rows are in pinned memory
+                def gather(tokens, out, _gather=gather):
+                    _gather(tokens, out)
+                    self._rows_ns = time.perf_counter_ns()
+            reply = ReplyRows(*layer.forward_host_routed(gather, mb.topk_ids, mb.topk_weights, plan))
         if timed:
             end.record()
             self._events = (start, end)

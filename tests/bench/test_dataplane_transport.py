@@ -69,6 +69,6 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
     assert st["FFN: vote (every worker, after the compute)"] == 10 and st["FFN: expert compute"] == 200
     assert st["F2A: last reply (rows into shm, wake) -> attention has the sum"] == 900 - 150 - 40 - 300
     assert st["attention: wait for F2A (total)"] == 769
-    assert st["FFN: compute, until its rows are on the device"] == 15
+    assert st["FFN: compute, until its rows are gathered (GPU workers: into pinned memory)"] == 15
     assert b["stages"]["FFN: compute, GPU time (CUDA events)"] == {"median_us": 120, "mean_us": 120, "n": 6}  # worker 0 only
     assert st["FFN: reply send (device-to-host copy, publish)"] == 25

@@ -211,6 +211,7 @@ def _measure(args, device, log, work, t0, shape_name, dtype_name, dtype, tokens_
 FFN_STAGES = (  # name, from column, to column (the FFN trace, afore.ffn.stages)
     ("posted -> taken up", "arrived_ns", "start_ns"),
     ("plan read and checked", "start_ns", "plan_ns"),
+    ("rows gathered (GPU workers)", "plan_ns", "rows_ns"),
     ("compute (host, to rows back)", "plan_ns", "computed_ns"),
     ("vote", "computed_ns", "agreed_ns"),
     ("metrics", "agreed_ns", "sent_ns"),

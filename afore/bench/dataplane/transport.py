@@ -243,7 +243,7 @@ STAGES = (
     ("FFN: A2F posted -> worker takes it up", ("a", "sent_ns"), ("f", "start_ns")),
     ("FFN: taken up -> plan read and checked", ("f", "start_ns"), ("f", "plan_ns")),
     ("FFN: expert compute", ("f", "plan_ns"), ("f", "computed_ns")),
-    ("FFN: compute, until its rows are on the device", ("f", "plan_ns"), ("f", "rows_ns")),
+    ("FFN: compute, until its rows are gathered (GPU workers: into pinned memory)", ("f", "plan_ns"), ("f", "rows_ns")),
     ("FFN: compute, GPU time (CUDA events)", ("f", "device_ns"), ("f", "device_ns")),
     ("FFN: vote (every worker, after the compute)", ("f", "computed_ns"), ("f", "agreed_ns")),
     ("FFN: metrics of the target", ("f", "agreed_ns"), ("f", "sent_ns")),
