@@ -138,14 +138,17 @@ class FFNLayer:
         self.plan_table.upload(table, n * k)
         if self.graphs is not None and n <= self.graphs.max_tokens:
             return self.graphs.run(hidden, topk_ids, topk_weights)
-        config = self.config
-        if config is None and self.graphs is not None and self.graphs.tune:
-            # large (prefill) steps: the fastest prefill config, timed once per power-of-two size
-            config = tuned_config(1 << (n - 1).bit_length(), topk_ids.shape[1], self.pool.w13, self.pool.w2,
-                                  self.pool.shape.num_experts, self.plan_table.table, self.errors, PREFILL_CONFIGS, reps=3)
         return routed_expert_step(hidden.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous(),
                                   self.plan_table.table, self.pool.w13, self.pool.w2, self.errors,
-                                  self.pool.shape.num_experts, self.backend, config)
+                                  self.pool.shape.num_experts, self.backend, self._large_step_config(n))
+
+    def _large_step_config(self, n: int) -> StepConfig | None:
+        """The kernel config of a step beyond the graph buckets (prefill): the fastest prefill
+        config, timed once per power-of-two size (with graphs and tuning), else the default."""
+        if self.config is not None or self.graphs is None or not self.graphs.tune:
+            return self.config
+        return tuned_config(1 << (n - 1).bit_length(), self.pool.shape.top_k, self.pool.w13, self.pool.w2,
+                            self.pool.shape.num_experts, self.plan_table.table, self.errors, PREFILL_CONFIGS, reps=3)
 
     __call__ = forward
 
@@ -226,7 +229,7 @@ class FFNLayer:
             out = self.graphs.run(x, ids, w)
         else:
             out = routed_expert_step(x, ids, w, self.plan_table.table, self.pool.w13, self.pool.w2, self.errors,
-                                     self.pool.shape.num_experts, self.backend, self.config)
+                                     self.pool.shape.num_experts, self.backend, self._large_step_config(u))
         if device.type == "cpu":
             return tokens, out
         staging.out[:u].copy_(out, non_blocking=True)
