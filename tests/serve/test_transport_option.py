@@ -113,3 +113,15 @@ def test_exact_needs_shm_and_one_microbatch_and_reaches_both_sides(monkeypatch, 
     workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
     assert len(workers) == 2 and all(w["exact"] and w["shm_segment"] for w in workers)
     assert json.loads(started[-1][1][CONFIG_ENV])["exact"] is True
+
+
+def test_exact_on_cpu_warns_outside_float32():
+    """``--exact`` on the CPU holds in float32 only (bench/exact_probe.py): other dtypes get a
+    warning naming the fix; float32 and CUDA get none."""
+    from afore.serve.launcher import exact_caveat
+
+    opts = ServeOptions(exact=True, transport="shm")
+    assert "--dtype float32" in exact_caveat(opts, "bfloat16")
+    assert exact_caveat(opts, "float32") is None
+    assert exact_caveat(ServeOptions(exact=True, transport="shm", device="cuda"), "bfloat16") is None
+    assert exact_caveat(ServeOptions(transport="shm"), "bfloat16") is None
