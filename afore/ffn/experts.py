@@ -315,6 +315,25 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, row_slot: 
     return torch.bmm(gathered, a.unsqueeze(2)).squeeze(2)
 
 
+def host_pairs(topk_ids: np.ndarray, table: np.ndarray, num_experts: int) -> tuple[np.ndarray, ...]:
+    """Eq. 11 for one worker in numpy, over the flattened [N*k] pairs of the host ids ``topk_ids``
+    under this worker's plan ``table`` (``afore.ffn.device_plan`` layout): (valid: the id is in
+    [0, E); ex: the id, 0 where invalid; ordinals: rank among the earlier pairs of the same id,
+    invalid ids ranking in a bin of their own; mine: the pairs this worker runs). The step's rule
+    (``routed_expert_step``), so both agree on every pair."""
+    ep = table_width(num_experts)
+    flat = topk_ids.reshape(-1).astype(np.int64, copy=False)
+    valid = (flat >= 0) & (flat < num_experts)
+    binned = np.where(valid, flat, num_experts)   # bad ids: a bin of their own, never run
+    order = np.argsort(binned, kind="stable")
+    counts = np.bincount(binned, minlength=num_experts + 1)
+    ordinals = np.empty(flat.size, np.int64)
+    ordinals[order] = np.arange(flat.size) - (np.cumsum(counts) - counts)[binned[order]]
+    ex = np.where(valid, flat, 0)
+    mine = valid & (ordinals >= table[ex]) & (ordinals < table[ep + ex])
+    return valid, ex, ordinals, mine
+
+
 def host_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor, table: np.ndarray,
                      w13: torch.Tensor, w2: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """This worker's partial sums for the tokens it computes, on the host (CPU workers).
@@ -332,17 +351,10 @@ def host_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor,
     n, k = topk_ids.shape
     ep = table_width(num_experts)
     num_slots, inter = w13.shape[0], w2.shape[2]
-    flat = topk_ids.reshape(-1).astype(np.int64, copy=False)
-    valid = (flat >= 0) & (flat < num_experts)
-    bad = int(flat.size - np.count_nonzero(valid))
-    binned = np.where(valid, flat, num_experts)   # bad ids: a bin of their own, never run
-    order = np.argsort(binned, kind="stable")
-    counts = np.bincount(binned, minlength=num_experts + 1)
-    ordinals = np.empty(flat.size, np.int64)
-    ordinals[order] = np.arange(flat.size) - (np.cumsum(counts) - counts)[binned[order]]
-    ids = np.where(valid, flat, 0)
-    lo, hi, slot = table[ids], table[ep + ids], table[2 * ep + ids]
-    pairs = np.flatnonzero(valid & (ordinals >= lo) & (ordinals < hi))   # routing order
+    valid, ids, ordinals, mine = host_pairs(topk_ids, table, num_experts)
+    bad = int(valid.size - np.count_nonzero(valid))
+    slot = table[2 * ep + ids]
+    pairs = np.flatnonzero(mine)   # routing order
     dtype = w13.dtype
     if pairs.size == 0:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, w2.shape[1], dtype=dtype), bad

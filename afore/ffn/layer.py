@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from afore.ffn.device_plan import DevicePlan, table_width
-from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grouped_expert_mlp, host_sparse_step, routed_expert_step,
-                               triton_available)
+from afore.ffn.experts import (LAYER_BACKENDS, PREFILL_CONFIGS, StepConfig, grouped_expert_mlp, host_pairs, host_sparse_step,
+                               routed_expert_step, triton_available)
 from afore.ffn.graphs import DEFAULT_BUCKETS, StepGraphs, tuned_config
 from afore.ffn.partition import worker_mask
 from afore.migrator.slot_pool import SlotPool
@@ -333,16 +333,8 @@ def host_route(topk_ids: np.ndarray, table: np.ndarray, num_experts: int) -> Hos
     """
     n, k = topk_ids.shape
     ep = table_width(num_experts)
-    flat = topk_ids.reshape(-1).astype(np.int64, copy=False)
-    valid = (flat >= 0) & (flat < num_experts)
-    binned = np.where(valid, flat, num_experts)   # bad ids: a bin of their own, never run
-    order = np.argsort(binned, kind="stable")
-    counts = np.bincount(binned, minlength=num_experts + 1)
-    ordinals = np.empty(flat.size, np.int64)
-    ordinals[order] = np.arange(flat.size) - (np.cumsum(counts) - counts)[binned[order]]
-    ex = np.where(valid, flat, 0)
-    lo = table[ex].astype(np.int64)
-    mine = valid & (ordinals >= lo) & (ordinals < table[ep + ex])
+    valid, ex, ordinals, mine = host_pairs(topk_ids, table, num_experts)
+    lo = table[ex]
     has = mine.reshape(n, k).any(axis=1)
     tokens = np.flatnonzero(has)
     kept = np.repeat(has, k)
