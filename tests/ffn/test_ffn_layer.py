@@ -165,7 +165,8 @@ def test_host_routed_step_equals_the_dense_step(shape, n, seed, fill, bad, stale
     if n:
         ref = dense_moe(hidden, ids.masked_fill((ids < 0) | (ids >= e), 0), weights.masked_fill((ids < 0) | (ids >= e), 0),
                         w13, w2)
-        assert float((total - ref).norm() / ref.norm().clamp_min(1e-30)) <= 1e-5
+        # fp32 partial sums against the fp64 layer: at most 2.3e-7 over 300 random cases
+        assert float((total - ref).norm() / ref.norm().clamp_min(1e-30)) <= 1e-6
 
 
 def test_partition_is_exact_and_matches_assignment():
