@@ -195,7 +195,6 @@ class FFNWorker:
         self.migrator = Migrator(self.shape, cfg.rank, self.pools,
                                  make_copy_engine(self.device, delay_s=cfg.copy_delay_ms / 1e3,
                                                   max_gbps=cfg.copy_rate_gbps or None), source)
-        self._owner = torch.as_tensor(self.shape.primary_owner, dtype=torch.int64, device=self.device)
         self.metrics = FFNMetrics(cfg.rank, self.shape)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port + cfg.rank)
