@@ -54,6 +54,19 @@ class _NullConnector:
         pass
 
 
+class _HostRows:
+    """The rows of a target as the shm transport hands them to a CPU worker: a zero-copy view of
+    the sender's buffer (``Microbatch.rows_for``), so ``_compute`` takes the sparse host path."""
+
+    zero_copy = True
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+    def view_for(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hidden
+
+
 def _timed(stats: dict, name: str, fn, *args):
     t0 = time.perf_counter_ns()
     out = fn(*args)
@@ -118,7 +131,8 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
             step_start = time.perf_counter_ns()
             assert _timed(stats, "sched_step", service.step, 1.0) == 1
             stats.setdefault("sched_to_published", []).append(published[0] - step_start)
-            mb = Microbatch(target, seq, hidden, ids.to(torch.int32), weights.float(), [tokens])
+            mb = Microbatch(target, seq, None, ids.to(torch.int32), weights.float(), [tokens],
+                            source=_HostRows(hidden))
             for worker in workers:
                 layer = worker.layers[target.layer]
                 candidate = _timed(stats, "ffn_candidate", worker._candidate, mb)

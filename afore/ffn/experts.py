@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -334,6 +335,60 @@ def host_pairs(topk_ids: np.ndarray, table: np.ndarray, num_experts: int) -> tup
     return valid, ex, ordinals, mine
 
 
+try:
+    from afore._ffn import HostStep as _HostStep
+except ImportError:  # an older build of the extension: the numpy/torch step serves alone
+    _HostStep = None
+
+#: the largest step (multiply-adds, pairs x 3 x H x I, counting every pair of the target) that
+#: runs in ``afore._ffn``: its per-pair dot products beat the ~40 small numpy/torch ops below at
+#: decode loads, while a batched matmul (torch, MKL) wins on large experts
+NATIVE_MAX_MACS = 1 << 24
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_host_steps = threading.local()
+
+
+def _native_fits(pairs: int, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    return (_HostStep is not None and w13.dtype in _NATIVE_DTYPES and w2.dtype == w13.dtype
+            and w13.device.type == "cpu" and w13.stride()[1:] == (w13.shape[2], 1) and w2.stride()[1:] == (w2.shape[2], 1)
+            and pairs * 3 * w13.shape[2] * w2.shape[2] <= NATIVE_MAX_MACS)
+
+
+def _native_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor, table: np.ndarray,
+                        w13: torch.Tensor, w2: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``host_sparse_step`` in ``afore._ffn`` (csrc/ffn/host_step.cpp): the same pairs and
+    rounding points; only the order of additions inside a dot product differs."""
+    n, k = topk_ids.shape
+    step = getattr(_host_steps, "step", None)
+    if step is None:
+        step = _host_steps.step = _HostStep()
+    ids = np.ascontiguousarray(topk_ids, dtype=np.int32)
+    table = np.ascontiguousarray(table, dtype=np.int32)
+    if table.size < 3 * table_width(num_experts) + 1:
+        raise ValueError(f"table: expected int32[{3 * table_width(num_experts) + 1}], got {table.size} entries")
+    tokens = np.empty(n, np.int64)
+    u, bad = step.route(ids.ctypes.data, n, k, table.ctypes.data, num_experts, table_width(num_experts), w13.shape[0],
+                        tokens.ctypes.data)
+    hidden = w2.shape[1]
+    rows = torch.empty(u, hidden, dtype=w13.dtype)
+    if u == 0:
+        return torch.zeros(0, dtype=torch.int64), rows, bad
+    tokens_t = torch.from_numpy(tokens[:u])
+    x = rows_for(tokens_t)
+    if x.dtype != w13.dtype or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != hidden or x.stride(1) != 1 \
+            or x.shape[0] < n:
+        x = x.to(device="cpu", dtype=w13.dtype).contiguous()
+        if x.dim() != 2 or x.shape[0] < n or x.shape[1] != hidden:
+            raise ValueError(f"rows_for: expected a hidden tensor [{n}, {hidden}], got {tuple(x.shape)}")
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    if weights.numel() != n * k:
+        raise ValueError(f"topk_weights: expected {n * k} weights, got {weights.numel()}")
+    step.compute(x.data_ptr(), x.stride(0), weights.data_ptr(), w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0),
+                 hidden, w2.shape[2],
+                 _NATIVE_DTYPES[w13.dtype], rows.data_ptr())
+    return tokens_t, rows, bad
+
+
 def host_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor, table: np.ndarray,
                      w13: torch.Tensor, w2: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """This worker's partial sums for the tokens it computes, on the host (CPU workers).
@@ -351,6 +406,8 @@ def host_sparse_step(rows_for, topk_ids: np.ndarray, topk_weights: torch.Tensor,
     n, k = topk_ids.shape
     ep = table_width(num_experts)
     num_slots, inter = w13.shape[0], w2.shape[2]
+    if _native_fits(n * k, w13, w2):
+        return _native_sparse_step(rows_for, topk_ids, topk_weights, table, w13, w2, num_experts)
     valid, ids, ordinals, mine = host_pairs(topk_ids, table, num_experts)
     bad = int(valid.size - np.count_nonzero(valid))
     slot = table[2 * ep + ids]

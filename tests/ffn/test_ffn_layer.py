@@ -79,12 +79,21 @@ def test_sum_over_workers_equals_dense_layer(shape, n, seed, fill):
 
 @settings(max_examples=60, deadline=None)
 @given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1),
-       bad=st.integers(0, 3), stale=st.booleans())
-def test_host_sparse_step_equals_the_torch_step(shape, n, seed, fill, bad, stale):
-    """CPU workers run ``forward_sparse`` (numpy bookkeeping): every worker's rows equal the
-    torch backend's rows of the same tokens bit for bit, its tokens are exactly those with a
-    pair on it, ids outside [0, E) run nowhere and are counted, also for a plan made for
-    other demand (stale: the primary takes the remainder)."""
+       bad=st.integers(0, 3), stale=st.booleans(), native=st.booleans())
+def test_host_sparse_step_equals_the_torch_step(shape, n, seed, fill, bad, stale, native):
+    """CPU workers run ``forward_sparse``: every worker's rows equal the torch backend's rows of
+    the same tokens (bit for bit with the numpy bookkeeping and torch matmuls; to fp32 rounding,
+    1e-6, in ``afore._ffn``, whose dot products add in another order), its tokens are exactly
+    those with a pair on it, ids outside [0, E) run nowhere and are counted, also for a plan
+    made for other demand (stale: the primary takes the remainder)."""
+    import afore.ffn.experts as experts
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts, "NATIVE_MAX_MACS", experts.NATIVE_MAX_MACS if native else -1)
+        check_host_sparse_step(shape, n, seed, fill, bad, stale, native)
+
+
+def check_host_sparse_step(shape, n, seed, fill, bad, stale, native):
     rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
     e = shape.num_experts
     if stale:
@@ -114,7 +123,12 @@ def test_host_sparse_step_equals_the_torch_step(shape, n, seed, fill, bad, stale
         covered += mask.long()
         want = torch.nonzero(mask.view(n, shape.top_k).any(1)).squeeze(1) if n else torch.zeros(0, dtype=torch.int64)
         assert torch.equal(tokens, want)
-        assert torch.equal(rows, dense[tokens])
+        if native:
+            assert rows.shape == (tokens.numel(), H) and rows.dtype == dense.dtype
+            if tokens.numel():
+                assert relative_error(rows, dense[tokens]) <= 1e-6
+        else:
+            assert torch.equal(rows, dense[tokens])
         assert sparse_layer.input_errors() == dense_layer.input_errors()
     if n:  # every valid pair ran on exactly one worker
         assert torch.equal(covered, ((ids >= 0) & (ids < e)).view(-1).long())
@@ -277,3 +291,40 @@ def test_scheduler_plans_over_a_sequence_of_targets(seed, f):
         out = sum(FFNLayer(p, backend="torch")(hidden, ids, weights, plan) for p in pools)
         assert relative_error(out, dense_moe(hidden, ids, weights, w13, w2)) <= 1e-5
         table, protected, prev = table_after, table_after.last_used == seq, plan.assignment
+
+
+@settings(max_examples=40, deadline=None)
+@given(e=st.integers(1, 9), k=st.integers(1, 4), n=st.integers(1, 40), h=st.integers(1, 40), i=st.integers(1, 24),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))
+def test_native_sparse_step_equals_the_torch_step_at_odd_sizes(e, k, n, h, i, dtype, seed):
+    """``afore._ffn`` at sizes its AVX2 loops do not divide (tails of 1-15 elements), in fp32 and
+    bfloat16, on weights laid out as the slot pool's (slots strided in one storage), against the
+    numpy/torch step on the same inputs: the same tokens, rows within fp32 rounding (1e-6) or one
+    bfloat16 rounding (2^-8: the two may round a product on either side of a bfloat16 step)."""
+    import afore.ffn.experts as experts
+    from afore.ffn.device_plan import table_width
+
+    if experts._HostStep is None:
+        pytest.fail("afore._ffn is not built: reinstall afore (pip install -e .)")
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    slots = e + 2
+    storage = torch.randn(slots, 3 * h * i + 5, generator=gen).to(dtype) / 4
+    w13 = storage[:, :2 * i * h].view(slots, 2 * i, h)
+    w2 = storage[:, 2 * i * h:3 * i * h].view(slots, h, i)
+    ids = torch.from_numpy(rng.integers(-1, e + 1, (n, k)).astype(np.int32))  # -1 and e: bad ids
+    weights = torch.rand(n, k, generator=gen)
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    ep = table_width(e)
+    table = np.zeros(3 * ep + 1, np.int32)
+    table[:e] = rng.integers(0, 3, e)                   # lo
+    table[ep:ep + e] = table[:e] + rng.integers(0, 4, e)  # hi
+    table[2 * ep:2 * ep + e] = rng.integers(0, slots, e)
+    native = experts.host_sparse_step(lambda t: hidden, ids.numpy(), weights, table, w13, w2, e)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts, "NATIVE_MAX_MACS", -1)
+        ref = experts.host_sparse_step(lambda t: hidden, ids.numpy(), weights, table, w13, w2, e)
+    assert torch.equal(native[0], ref[0]) and native[2] == ref[2]
+    assert native[1].dtype == dtype and native[1].shape == ref[1].shape
+    if ref[0].numel() and ref[1].float().norm() > 0:
+        assert relative_error(native[1].float(), ref[1].double()) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
