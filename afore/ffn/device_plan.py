@@ -32,6 +32,11 @@ from afore.plan import Plan
 
 INT32_MAX = np.iinfo(np.int32).max
 
+try:
+    from afore._ffn import worker_table as _native_table
+except ImportError:  # an older build of the extension: the numpy table serves alone
+    _native_table = None
+
 
 def table_width(num_experts: int) -> int:
     """EP: the smallest power of two >= max(``num_experts``, 16) (Triton block sizes)."""
@@ -55,6 +60,15 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
         if arr.dtype.kind not in "iu":
             raise ValueError(f"plan.{name}: expected integers, got {arr.dtype}")
     c = _worker_constants(shape, worker)
+    if _native_table is not None and a.dtype == np.int32 and s.dtype == np.int32 and a.flags.c_contiguous \
+            and s.flags.c_contiguous:
+        # the same table, checks and messages in one C++ call (afore._ffn, csrc/ffn/plan_check.cpp)
+        table = c.template.copy()
+        reason = _native_table(e, f, worker, num_slots, c.width, a.ctypes.data, s.ctypes.data, c.owner.ctypes.data,
+                               c.primary_slot.ctypes.data, table.ctypes.data)
+        if reason:
+            raise ValueError(reason)
+        return table
     non_primary = a.astype(np.int64, order="C")  # a copy (C order: zeroed through a flat view)
     if e and non_primary.min() < 0:
         raise ValueError(f"plan.assignment: expected counts >= 0, got {int(a.min())}")
@@ -88,6 +102,7 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
 
 
 class _WorkerConstants(NamedTuple):
+    owner: np.ndarray         # int64[E]: the primary owner of each expert
     primary_flat: np.ndarray  # int64[E]: flat index e * F + owner[e] of each primary in an [E, F] array
     mine_primary: np.ndarray  # bool[E]: e's primary is this worker
     primary_slot: np.ndarray  # int64[E]
@@ -101,9 +116,10 @@ def _worker_constants(shape: ClusterShape, worker: int) -> _WorkerConstants:
     ep = table_width(shape.num_experts)
     template = np.zeros(3 * ep + 1, np.int32)
     template[2 * ep: 3 * ep] = -1
-    out = _WorkerConstants(np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + owner, owner == worker,
-                           shape.primary_slot, ep, template)
-    for arr in (out.primary_flat, out.mine_primary, out.primary_slot, out.template):
+    out = _WorkerConstants(np.ascontiguousarray(owner, np.int64),
+                           np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + owner, owner == worker,
+                           np.ascontiguousarray(shape.primary_slot, np.int64), ep, template)
+    for arr in (out.owner, out.primary_flat, out.mine_primary, out.primary_slot, out.template):
         arr.flags.writeable = False
     return out
 

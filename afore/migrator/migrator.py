@@ -95,6 +95,18 @@ class _Prepared:
     bytes: int
 
 
+try:
+    from afore._ffn import migrator_check as _native_check
+except ImportError:  # an older build of the extension: the numpy checks serve alone
+    _native_check = None
+
+
+def _int32_rows(*arrays: np.ndarray) -> bool:
+    """Whether every array is C-contiguous int32 (the plan ring's decoded views): what the C++
+    check reads through a pointer."""
+    return all(a.dtype == np.int32 and a.flags.c_contiguous for a in arrays)
+
+
 class Migrator:
     """Plans -> slot pool state for one FFN worker (all its layers)."""
 
@@ -118,7 +130,8 @@ class Migrator:
         self.source = source
         self.num_primaries = int(shape.primary_counts[worker])
         self._owner = shape.primary_owner.tolist()
-        self._primary_slot = shape.primary_slot
+        self._owner_arr = np.ascontiguousarray(shape.primary_owner, np.int64)
+        self._primary_slot = np.ascontiguousarray(shape.primary_slot, np.int64)
         self._primary_flat = np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + shape.primary_owner
         r = shape.redundant_slots
         # Content of each redundant slot once every submitted / prepared copy has run.
@@ -159,6 +172,16 @@ class Migrator:
         if plan.copies.ndim != 2 or plan.copies.shape[1] != 4:
             return f"copies: expected shape (C, 4), got {plan.copies.shape}", []
         assignment, slot = plan.assignment, plan.slot
+        if _native_check is not None and plan.demand.shape == (e,) and _int32_rows(assignment, slot, plan.copies) \
+                and plan.demand.dtype == np.int64 and plan.demand.flags.c_contiguous:
+            # the same checks and messages in one C++ call (afore._ffn, csrc/ffn/plan_check.cpp)
+            projected = self.projected[plan.target.layer]
+            reason, reads = _native_check(e, f, self.worker, self.num_primaries,
+                                          self.num_primaries + self.shape.redundant_slots, assignment.ctypes.data,
+                                          slot.ctypes.data, plan.demand.ctypes.data, plan.copies.ctypes.data,
+                                          len(plan.copies), self._owner_arr.ctypes.data, self._primary_flat.ctypes.data,
+                                          self._primary_slot.ctypes.data, projected.ctypes.data, projected.size)
+            return (reason or None), (reads if not reason else [])
         if plan.demand.shape != (e,) or (assignment.sum(axis=1) != plan.demand).any():
             return "assignment: rows do not sum to demand", []
         works = assignment > 0

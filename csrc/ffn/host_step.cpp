@@ -263,6 +263,8 @@ class HostStep {
 
 }  // namespace
 
+void bind_plan_check(nb::module_& m);  // plan_check.cpp
+
 NB_MODULE(_ffn, m) {
   m.doc() = "afore._ffn: a CPU FFN worker's sparse step (afore.ffn.experts.host_sparse_step)";
   nb::class_<HostStep>(m, "HostStep")
@@ -272,5 +274,6 @@ NB_MODULE(_ffn, m) {
       .def("compute", &HostStep::compute, "x"_a, "row_stride"_a, "weights"_a, "w13"_a, "w13_stride"_a, "w2"_a, "w2_stride"_a, "hidden"_a, "inter"_a,
            "dtype"_a, "out"_a)
       .def_prop_ro("pairs", &HostStep::pairs);
+  bind_plan_check(m);
   m.def("simd", []() { return g_dot != dot_generic; }, "whether the AVX2/FMA dot product is in use");
 }
