@@ -321,8 +321,9 @@ class FFNWorker:
         """Run one target on this worker and reply; returns the reply (this worker's partial sums
         of the tokens it computed a pair of).
 
-        The vote on the plan comes after the compute, so that waiting for the other workers
-        overlaps this one's compute: the compute runs with this worker's candidate (the
+        The vote on the plan is posted before the compute (where the transport can, ``vote``) and
+        tallied after it, so that waiting for the other workers overlaps this one's compute and
+        their votes are usually there when it tallies: the compute runs with this worker's candidate (the
         scheduler's plan, or primary-only when it has none, in which case the vote cannot pass);
         in the rare case that another worker voted no, it runs again primary-only. Either way
         every worker replies with the plan they all agreed on (DESIGN.md invariant 3)."""
@@ -331,6 +332,9 @@ class FFNWorker:
         layer = self.layers[mb.target.layer]
         candidate = self._candidate(mb)
         planned = time.perf_counter_ns()
+        vote = getattr(self.connector, "vote", None)  # the shm transport posts votes early
+        if vote is not None:  # posted now, tallied after the compute: found there, not waited for
+            vote(candidate is not None)
         self._read_ahead()
         plan = candidate if candidate is not None else self._primary_only(mb)
         reply = self._compute(layer, mb, plan)

@@ -519,6 +519,7 @@ class ShmFFNEnd:
         self._counter = 0          # next message counter (the same for every attention worker)
         self._peeked: Microbatch | None = None
         self._votes = 0
+        self._posted: tuple[int, bool] | None = None  # (round, flag) of a vote() not yet tallied
         self.bytes_received = 0
         self.bytes_sent = 0
         self.store = None  # no TCPStore: GPU peers use CUDA IPC handles exchanged elsewhere
@@ -617,6 +618,22 @@ class ShmFFNEnd:
             self._peeked = self._read(self._counter)
         return self._peeked
 
+    def vote(self, flag: bool) -> None:
+        """Post this worker's vote for the next ``agree`` early (the step does it before its
+        compute): the others then find it there when they tally after theirs, without sleeping
+        on it. ``agree(flag)`` must follow with the same flag; it stores the same word again."""
+        lay, seg = self.layout, self.seg
+        if lay.num_ffn == 1:
+            return
+        v = self._votes
+        slot = v % 2
+        # round v's word may replace this worker's round v - 2 vote: everyone has tallied that one,
+        # since this worker's agree(v - 1) returned, which needs every worker's round v - 1 vote,
+        # posted only after its own agree(v - 2) returned
+        seg.votes[self.ffn_rank, slot] = (((v % 0x3FFFFFFE) + 1) << 1) | int(bool(flag))
+        _futex_wake(seg.addr("votes", self.ffn_rank * 2 + slot, 4))
+        self._posted = (v, bool(flag))
+
     def agree(self, flag: bool) -> bool:
         """True only if every FFN worker passes True for this target (a barrier over the votes in
         shared memory; the same decision on every worker, DESIGN.md invariant 3)."""
@@ -625,6 +642,9 @@ class ShmFFNEnd:
             return flag
         v = self._votes
         self._votes += 1
+        posted, self._posted = self._posted, None
+        if posted is not None and posted != (v, bool(flag)):
+            raise ValueError(f"agree: voted {posted[1]} on round {posted[0]} with vote(), now {bool(flag)} on round {v}")
         if self._plane is not None:
             return self._plane.agree(self.ffn_rank, v, bool(flag), float(self.timeout_s), self.poll_s, self.spin_s,
                                      str(self.timeout_s))

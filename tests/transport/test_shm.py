@@ -23,9 +23,11 @@ def _name(tag: str) -> str:
     return f"afore-test-shm-{tag}-{os.getpid()}"
 
 
-def _ffn_loop(name: str, layout: ShmLayout, rank: int, targets: int, votes: list[bool] | None, out_q) -> None:
+def _ffn_loop(name: str, layout: ShmLayout, rank: int, targets: int, votes: list[bool] | None, out_q,
+              early: bool = False) -> None:
     """FFN worker ``rank`` owns the gathered tokens t with t % F == rank and replies 2^rank * row
-    for them; with ``votes``, agrees on each target first and reports the agreed values."""
+    for them; with ``votes``, agrees on each target first and reports the agreed values; with
+    ``early``, odd ranks post their vote with ``vote`` before they tally it (as FFNWorker.step)."""
     torch.set_num_threads(1)
     end = ShmFFNEnd(name, layout, rank, timeout_s=120)
     agreed = []
@@ -33,7 +35,11 @@ def _ffn_loop(name: str, layout: ShmLayout, rank: int, targets: int, votes: list
         mb = end.recv(120.0)
         assert mb is not None
         if votes is not None:
-            agreed.append(end.agree(votes[i] if rank == 0 else True))
+            flag = votes[i] if rank == 0 else True
+            if early and rank % 2:
+                end.vote(flag)
+                time.sleep(0.002 * (i % 3))  # the compute between posting and tallying
+            agreed.append(end.agree(flag))
         n = mb.num_tokens
         tokens = torch.arange(n)[torch.arange(n) % layout.num_ffn == rank]
         hidden = mb.rows_for(tokens)
@@ -42,10 +48,11 @@ def _ffn_loop(name: str, layout: ShmLayout, rank: int, targets: int, votes: list
     end.close()
 
 
-def _start(name, layout, targets, votes=None):
+def _start(name, layout, targets, votes=None, early=False):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ffn_loop, args=(name, layout, f, targets, votes, q)) for f in range(layout.num_ffn)]
+    procs = [ctx.Process(target=_ffn_loop, args=(name, layout, f, targets, votes, q, early))
+             for f in range(layout.num_ffn)]
     for p in procs:
         p.start()
     return procs, q
@@ -100,12 +107,15 @@ def test_every_reply_sums_the_rows_their_workers_own(num_attention, num_ffn):
         seg.close()
 
 
-def test_agreement_is_unanimous_on_every_worker():
+@pytest.mark.parametrize("early", [False, True])
+def test_agreement_is_unanimous_on_every_worker(early):
+    """Also when some workers post their votes early (``vote``) and tally them later, while
+    the others vote and tally at once: rounds never mix (the two vote slots alternate)."""
     layout = ShmLayout(num_attention=1, num_ffn=3, hidden=H, top_k=K, max_tokens=4, depth=2)
-    name = _name("agree")
+    name = _name(f"agree-{int(early)}")
     seg = ShmSegment.create(name, layout)
     votes = [True, False, True, True, False, False, True, True]
-    procs, q = _start(name, layout, len(votes), votes)
+    procs, q = _start(name, layout, len(votes), votes, early)
     try:
         end = ShmAttentionEnd(name, layout, 0, timeout_s=120)
         for t in range(len(votes)):
@@ -245,5 +255,19 @@ def test_attention_end_waits_for_every_ffn_worker_to_attach():
     try:
         with pytest.raises(TimeoutError, match=r"FFN workers \[0, 1\]"):
             ShmAttentionEnd(name, layout, 0, timeout_s=0.2)
+    finally:
+        seg.close()
+
+
+def test_a_tally_with_another_flag_than_the_posted_vote_is_refused():
+    layout = ShmLayout(num_attention=1, num_ffn=2, hidden=H, top_k=K, max_tokens=4, depth=2)
+    name = _name("vote-mismatch")
+    seg = ShmSegment.create(name, layout)
+    try:
+        end = ShmFFNEnd(name, layout, 0, timeout_s=5)
+        end.vote(True)
+        with pytest.raises(ValueError, match="voted True on round 0"):
+            end.agree(False)
+        end.close()
     finally:
         seg.close()
