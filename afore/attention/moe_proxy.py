@@ -245,12 +245,13 @@ class RemoteRoutedExperts(_RoutedExperts):
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             start = time.perf_counter_ns()
-            part, f2a = link.recv(state.seq(self.moe_position, m), hi - lo, x.shape[1], x.dtype)
+            seq = state.seq(self.moe_position, m)
+            part, f2a = link.recv(seq, hi - lo, x.shape[1], x.dtype)
             out[lo:hi] = part.to(device=x.device, dtype=x.dtype)
             done = time.perf_counter_ns()
             demand, sent, a2f = stamps[m]
             clock.record((state.step, self.moe_position, m, hi - lo, clock.prev_exit_ns, enter, demand, sent, start, done,
-                          a2f, f2a))
+                          a2f, f2a, seq))
         clock.prev_exit_ns = time.perf_counter_ns()
 
 

@@ -8,7 +8,8 @@ is also appended to a CSV file (``afore bench dataplane`` reads it for the per-l
 
 CSV columns (times: ``time.perf_counter_ns()`` of this process):
     step, layer, microbatch, tokens, prev_exit_ns, enter_ns, demand_ns, sent_ns, recv_start_ns,
-    done_ns, a2f_bytes, f2a_bytes
+    done_ns, a2f_bytes, f2a_bytes, seq (the target's sequence number, as the FFN and scheduler
+    traces have it: the join key)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from afore.metrics.trace import TRACE_ENV, CsvTrace
 __all__ = ["COLUMNS", "TRACE_ENV", "StageClock"]
 
 COLUMNS = ("step", "layer", "microbatch", "tokens", "prev_exit_ns", "enter_ns", "demand_ns", "sent_ns",
-           "recv_start_ns", "done_ns", "a2f_bytes", "f2a_bytes")
+           "recv_start_ns", "done_ns", "a2f_bytes", "f2a_bytes", "seq")
 
 
 class StageClock:

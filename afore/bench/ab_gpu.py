@@ -219,7 +219,8 @@ def drive_policy(conn, demand_client, counts: np.ndarray, hidden: int, top_k: in
             exit_ = time.perf_counter_ns()
             if stage_trace is not None:
                 for b, (i, _) in enumerate(handles):
-                    stage_trace.add((step0 + s, layer, b, tokens, prev_exit, enter, *stamps[i], row_bytes, row_bytes))
+                    stage_trace.add((step0 + s, layer, b, tokens, prev_exit, enter, *stamps[i], row_bytes, row_bytes,
+                                     (step0 + s) * L * M + layer * M + b))
             layer_end[s * L + layer] = prev_exit = exit_
         step_end[s] = prev_exit
     return {"stamps": stamps, "layer_end": layer_end, "step_start": step_start, "step_end": step_end, "attention_ms": spent}

@@ -47,7 +47,7 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
             seq = step * layers + layer
             t = 1_000_000 * (seq + 1)
             # prev_exit, enter (+100 us attention), demand (+10), sent (+20), recv_start (+21), done
-            att.add((step, layer, 0, 4, t, t + 100_000, t + 110_000, t + 130_000, t + 131_000, t + 900_000, 0, 0))
+            att.add((step, layer, 0, 4, t, t + 100_000, t + 110_000, t + 130_000, t + 131_000, t + 900_000, 0, 0, seq))
             sch.add((seq, t + 105_000, t + 105_000, t + 125_000, t + 126_000, t + 176_000, t + 186_000))
             for r, late in enumerate((0, 40_000)):  # worker 1 wakes 40 us later
                 start = t + 150_000 + late
@@ -55,7 +55,7 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
                 # a CPU worker 1 has none), vote +10, reply +30, its send returned +25
                 ffn[r].add((seq, step, layer, 0, 4, 2, start, start, start + 60_000, start + 260_000, start + 270_000,
                             start + 300_000, 1, start + 75_000, 120_000 if r == 0 else 0, start + 325_000))
-    att.add((5, 0, 0, 64, 1, 2, 3, 4, 5, 6, 0, 0))  # a prefill target: not a decode one
+    att.add((5, 0, 0, 64, 1, 2, 3, 4, 5, 6, 0, 0, 99))  # a prefill target: not a decode one
     for trace in (att, sch, *ffn):
         trace.flush()
     b = stage_breakdown(tmp_path / "st", num_layers=layers, microbatches=1)
@@ -72,3 +72,6 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
     assert st["FFN: compute, until its rows are gathered (GPU workers: into pinned memory)"] == 15
     assert b["stages"]["FFN: compute, GPU time (CUDA events)"] == {"median_us": 120, "mean_us": 120, "n": 6}  # worker 0 only
     assert st["FFN: reply send (device-to-host copy, publish)"] == 25
+    # the join is by the seq each trace recorded, not one recomputed from (step, layer, microbatch):
+    # a wrong layer or microbatch count (a CUDA run's default differs) joins the same rows
+    assert stage_breakdown(tmp_path / "st", num_layers=4, microbatches=2) == b

@@ -269,7 +269,8 @@ def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max
     ffn = [{r["seq"]: r for r in read_trace(f)} for f in sorted(trace.parent.glob(f"{trace.name}.ffn*.csv"))]
     samples: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for a in att:
-        seq = (a["step"] * num_layers + a["layer"]) * microbatches + a["microbatch"]
+        # the attention trace's own seq (older traces: from the target, which needs the right L and M)
+        seq = a["seq"] if "seq" in a else (a["step"] * num_layers + a["layer"]) * microbatches + a["microbatch"]
         rows = {"a": [a], "s": [sched[seq]] if seq in sched else [], "f": [w[seq] for w in ffn if seq in w]}
         for name, (t0, c0), (t1, c1) in STAGES:
             if name.startswith("F2A"):  # from the last reply handed over
