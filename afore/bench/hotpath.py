@@ -11,7 +11,8 @@ the order a target meets them, each timed alone (``time.perf_counter_ns``, media
 - ``ffn_candidate``: ``FFNWorker._candidate`` per worker (ring read + decode, migrator.prepare,
   stage_plan, routed counts, commit_check) with the plan already published, so no waiting;
 - ``ffn_compute``: ``FFNWorker._compute`` (the expert compute on the host pool, for scale);
-- ``ffn_metrics``: ``FFNMetrics.observe_target`` (worker 0, which also records balance);
+- ``ffn_metrics``: ``FFNMetrics.observe_target`` and the migration records (worker 0, which also
+  records balance; serving runs them after the reply, off the critical path);
 - ``ffn_settle``: ``FFNWorker._settle`` after a passed vote.
 
 The FFN workers are real ``FFNWorker`` objects on the tiny checkpoint (E=8, k=2, H=64, 3 MoE
@@ -140,10 +141,13 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
                 used += candidate is not None
                 _timed(stats, "ffn_compute", worker._compute, layer, mb, plan)
                 plan = _timed(stats, "ffn_settle", worker._settle, mb, candidate, candidate is not None)
-                if worker.cfg.rank == 0:
-                    _timed(stats, "ffn_metrics", worker.metrics.observe_target, plan, 1e-3, 0)
-                else:
+                def metrics(plan=plan, worker=worker):  # after the reply in FFNWorker.step
                     worker.metrics.observe_target(plan, 1e-3, 0)
+                    worker._observe_records()
+                if worker.cfg.rank == 0:
+                    _timed(stats, "ffn_metrics", metrics)
+                else:
+                    metrics()
     finally:
         for worker in workers:
             worker.close()

@@ -143,8 +143,18 @@ class FFNMetrics:
         """One executed target: ``plan`` (afore.plan.Plan, the scheduler's or the primary-only
         fallback) ran on this worker in ``stage_s`` seconds (receive -> reply ready); ``queued``
         targets wait behind it at the transport."""
+        self.count_target(plan)
+        self.observe_stage(plan, stage_s, queued)
+
+    def count_target(self, plan) -> None:
+        """The counters of one executed target (the loop calls this before the reply leaves, so
+        a client that has every reply sees every target counted)."""
         self._targets.inc()
         (self._primary_only if plan.primary_only else self._plans["used"]).inc()
+
+    def observe_stage(self, plan, stage_s: float, queued: int) -> None:
+        """The histograms and gauges of one executed target (the loop calls this after the reply
+        left: nothing waits for them)."""
         self.stage_seconds.observe(stage_s)
         self.queued.set(queued)
         if self.records_balance:

@@ -344,10 +344,13 @@ class FFNWorker:
             plan = agreed_plan
             reply = self._compute(layer, mb, plan)
         agreed = time.perf_counter_ns()
-        # counted before the reply leaves: a client that has every reply sees every target counted
-        self.metrics.observe_target(plan, stage_s=(agreed - t0) / 1e9, queued=self.connector.queued)
+        # counted before the reply leaves: a client that has every reply sees every target counted;
+        # the histograms, the balance figures and the migration records come after it
+        self.metrics.count_target(plan)
         handed = time.perf_counter_ns()  # stamped before the reply is published: after it, the woken
         self.connector.send(mb, reply)   # attention side may run first and the stamp would come late
+        self.metrics.observe_stage(plan, stage_s=(agreed - t0) / 1e9, queued=self.connector.queued)
+        self._observe_records()
         if self.trace.enabled:
             published = time.perf_counter_ns()
             t = mb.target
@@ -388,11 +391,15 @@ class FFNWorker:
             self._events = (start, end)
         if not plan.primary_only:
             self.migrator.release(plan)
+        return reply
+
+    def _observe_records(self) -> None:
+        """The migration records of the targets committed so far into the metrics and the
+        scheduler's measured window (after the reply: the plan of a later target reads them)."""
         for record in self.migrator.drain_records():
             self.metrics.observe(record)
             if self.window_reporter is not None:
                 self.window_reporter.report(record.window_ms)
-        return reply
 
     def run(self, report_s: float = 10.0) -> None:
         """Serve targets until ``stop_event`` is set (SIGTERM in ``main``); logs the plan counters
