@@ -349,10 +349,10 @@ class FFNWorker:
         self.metrics.count_target(plan)
         handed = time.perf_counter_ns()  # stamped before the reply is published: after it, the woken
         self.connector.send(mb, reply)   # attention side may run first and the stamp would come late
+        published = time.perf_counter_ns()
         self.metrics.observe_stage(plan, stage_s=(agreed - t0) / 1e9, queued=self.connector.queued)
         self._observe_records()
         if self.trace.enabled:
-            published = time.perf_counter_ns()
             t = mb.target
             events, self._events = self._events, None
             # the reply's copy to the host (send) came after the compute on this stream: both events are done
