@@ -20,7 +20,10 @@ theta is a heuristic restriction of the greedy, not a constraint of the problem,
 here is the best any planner can reach. Before solving, two lower bounds short-circuit the MILP
 when a supplied incumbent (the greedy's tiles) already meets them: the average load
 ceil(sum_e k_e / F) and max_e ceil(k_e / r_max(e)), where r_max(e) counts the workers that can
-hold e (primary, existing bindings, and at most B new ones).
+hold e (primary, existing bindings, and at most B new ones); and, within B, the copies each
+overloaded worker needs (``budget_bound``), the receivers' room (``receiver_bound``) and, where a
+worker can take at most one new replica, the rooms each overloaded worker's copies reach
+(``tree_bound``, ``closure_bound`` for R = 1).
 """
 
 from __future__ import annotations
@@ -104,8 +107,13 @@ def lower_bounds(shape: ClusterShape, k: np.ndarray, table: SlotTable, protected
         r_max = 1 + existing + min(copy_budget, int(candidates.sum()))
         bound = max(bound, int(-(-int(k[e]) // r_max)))
     has_other = bound_on.any(axis=1)
-    return max(bound, budget_bound(shape, k, has_other, copy_budget),
-               receiver_bound(shape, k, has_other, rebindable, copy_budget))
+    bound = max(bound, budget_bound(shape, k, has_other, copy_budget),
+                receiver_bound(shape, k, has_other, rebindable, copy_budget))
+    if np.all((~protected).sum(axis=1) <= 1):  # at most one new replica per worker (R = 1, ...)
+        bound = max(bound, tree_bound(shape, k, has_other, rebindable, copy_budget))
+    if shape.redundant_slots == 1:
+        bound = max(bound, closure_bound(shape, k, table, protected, copy_budget))
+    return bound
 
 
 def budget_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, copy_budget: int) -> int:
@@ -173,6 +181,138 @@ def receiver_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, re
 
     lo, hi = 0, int(needy.max(initial=0))
     while lo < hi:  # fits(T) is monotone in T; hi fits (nothing must leave)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def tree_bound(shape: ClusterShape, k: np.ndarray, has_other: np.ndarray, rebindable: np.ndarray,
+               copy_budget: int) -> int:
+    """The smallest T (tiles) for which the copies that bring every worker to T can fit the budget,
+    counting the rooms each overloaded worker's tiles must reach, where every worker can take at
+    most one new replica (each has at most one slot that is not protected: R = 1, or all but one
+    slot protected). Valid only then; ``lower_bounds`` calls it only then.
+
+    needy_w: tiles of w's primaries with no replica elsewhere in C[t] (``has_other``: bool[E]);
+    they stay on w or go to new replicas. Draw an edge w -> v for every new replica on v of an
+    expert of w with needy tiles: each worker has at most one incoming edge, so the workers
+    reachable from w, desc(w), receive needy tiles from w only, and theirs stay among them (or
+    return to w on a cycle). So w's excess x_w = needy_w - T fits in their room:
+    x_w <= sum over desc(w) of (T - needy_u). Every worker of desc(w) has an incoming edge, i.e.
+    a copy, and desc sets are nested or disjoint. Hence, with O the workers above T and r(x) the
+    fewest rooms (T - needy_u of the workers not in O with a slot that can take a replica,
+    largest first) that sum to x, the copies are at least max(sum_O r(x_w), r(sum_O x_w)): a
+    group of nested overloaded workers G under one root takes |G| - 1 + r(X_G) copies, and
+    r(a + b) >= r(a) + r(b) - 1, so splitting every group into single workers never raises the
+    count. Also at least sum_O m_w: w's own copies, each carrying at most min(k_e, T) tiles and
+    an expert no more than k_e. Strong on cold R = 1 tables with B < F, where an overloaded
+    worker's copies reach only light receivers, whose room is T minus their own tiles, unless
+    they pass their own tiles on, which costs a copy each.
+    """
+    f, owner = shape.num_workers, shape.primary_owner
+    needy_k = np.where(has_other, 0, k)
+    needy = np.bincount(owner, weights=needy_k, minlength=f).astype(np.int64)
+    rebindable = np.asarray(rebindable, bool)
+    sizes = [np.sort(needy_k[owner == w])[::-1] for w in range(f)]
+
+    def fits(t: int) -> bool:
+        over = np.flatnonzero(needy > t)
+        if over.size == 0:
+            return True
+        pool = ~np.zeros(f, bool)
+        pool[over] = False
+        rooms = np.sort(np.maximum(t - needy[pool & rebindable], 0))[::-1]
+        covered = np.cumsum(rooms)
+
+        def rooms_for(x: int) -> int | None:
+            i = int(np.searchsorted(covered, x))
+            return None if i >= covered.size else i + 1
+
+        copies_r = copies_m = 0
+        for w in over:
+            x = int(needy[w]) - t
+            r = rooms_for(x)
+            if r is None:
+                return False
+            copies_r += r
+            # chunks: each copy of e carries at most min(k_e, t) tiles, e's copies at most k_e
+            chunks = np.concatenate([np.minimum(np.full(-(-int(s) // t) if t > 0 else 0, t),
+                                                int(s) - t * np.arange(-(-int(s) // t) if t > 0 else 0))
+                                     for s in sizes[w] if s > 0]) if t > 0 else np.zeros(0, np.int64)
+            carried = np.cumsum(np.sort(chunks)[::-1])
+            m = int(np.searchsorted(carried, x))
+            if m >= carried.size:
+                return False
+            copies_m += m + 1
+        total = rooms_for(int((needy[over] - t).sum()))
+        if total is None:
+            return False
+        return max(copies_r, copies_m, total) <= copy_budget
+
+    lo, hi = 0, int(needy.max(initial=0))
+    while lo < hi:  # fits(T) is monotone in T; hi fits (nothing must leave)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def closure_bound(shape: ClusterShape, k: np.ndarray, table: SlotTable, protected: np.ndarray,
+                  copy_budget: int) -> int:
+    """The smallest T (tiles) for which B copies can give the workers above T enough room, with
+    R = 1 (one slot per worker) and C[t]'s bindings counted as free replicas. Valid only for R = 1;
+    ``lower_bounds`` calls it only then.
+
+    With one slot, every worker holds at most one replica: draw an edge primary(e) -> v for the
+    binding of v's slot in the plan (kept from C[t], free, or new, a copy). Each worker has at most
+    one incoming edge, so the set Q of the workers reachable from O (those whose primaries hold
+    more than T tiles, P_w > T) with O itself holds every tile of Q's primaries; hence
+    sum_O (P_w - T) <= sum over Q - O of (T - P_u). A worker of Q - O is reached either along
+    C[t]'s bindings only (D0(O): the workers reachable from O in C[t]) or after a last new edge
+    into some h, and then it is in {h} with D0(h). So the excess of O beyond the room of D0(O)
+    needs copies whose heads h bring at most val(h) = sum over {h} with D0(h), less D0(O), of
+    (T - P_u)^+ each: the fewest largest such values (one per worker with a slot that is not protected)
+    must fit in B. Strong on bursts with R = 1, where the hot experts' existing replicas hold the
+    light workers' only slots (protected), so each copy reaches one light worker's room only.
+    """
+    f, owner = shape.num_workers, shape.primary_owner
+    primary = np.bincount(owner, weights=k, minlength=f).astype(np.int64)
+    edges = np.zeros((f, f), bool)  # edges[u, v]: C[t] binds one of u's primaries on v
+    slot_expert = np.asarray(table.expert)[:, 0]
+    bound_v = np.flatnonzero(slot_expert >= 0)
+    edges[owner[slot_expert[bound_v]], bound_v] = True
+    reach = edges.copy()  # reach[u, v]: v reachable from u along >= 1 edge
+    for _ in range(f):
+        grown = reach | ((reach.astype(np.int64) @ edges.astype(np.int64)) > 0)
+        if np.array_equal(grown, reach):
+            break
+        reach = grown
+    heads = (~np.asarray(protected, bool)).any(axis=1)
+
+    def fits(t: int) -> bool:
+        over = primary > t
+        excess = int((primary[over] - t).sum())
+        if excess == 0:
+            return True
+        room = np.maximum(t - primary, 0)
+        counted = reach[over].any(axis=0)  # D0(O)
+        free = int(room[counted].sum())
+        need = excess - free
+        if need <= 0:
+            return True
+        room[counted] = 0  # a copy's head brings only the room beyond D0(O)
+        val = np.sort((room + reach.astype(np.int64) @ room)[heads])[::-1]
+        covered = np.cumsum(val)
+        i = int(np.searchsorted(covered, need))
+        return i < covered.size and i + 1 <= copy_budget
+
+    lo, hi = 0, int(primary.max(initial=0))
+    while lo < hi:  # fits(T) is monotone in T; hi fits (no worker above it)
         mid = (lo + hi) // 2
         if fits(mid):
             hi = mid
