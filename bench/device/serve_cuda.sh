@@ -93,7 +93,7 @@ from afore.bench.dataplane.transport import stage_breakdown
 out, layers = Path(sys.argv[1]), int(sys.argv[2])
 result, lines = {}, ["# Stage breakdown of a decode target, afore serve on one H200 (medians, us)", ""]
 for t in sys.argv[3:]:
-    # the CUDA default: two microbatches per MoE call; decode targets hold at most 8 tokens here
+    # joined by the seq each trace records (microbatches only names older traces); decode targets hold at most 8 tokens here
     result[t] = stage_breakdown(Path(f"/tmp/stages-{t}"), num_layers=layers, microbatches=2, max_tokens=8)
     lines += [f"## afore-{t}: {result[t].get('targets', 0)} decode targets", "", "| stage | median us | mean us | n |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['median_us']:.0f} | {v['mean_us']:.0f} | {v['n']} |" for k, v in result[t].get("stages", {}).items()]
