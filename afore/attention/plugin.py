@@ -1,7 +1,8 @@
 """vLLM general plugin (entry point ``vllm.general_plugins`` -> ``register``).
 
-vLLM calls ``register()`` in every process it starts, before it builds its config. It does
-nothing unless ``AFORE_ROLE=attention``; in that role it swaps vLLM's routed experts for the
+vLLM calls ``register()`` in every process it starts, before it builds its config. With
+``AFORE_STAGE_TRACE`` set it times vLLM's step phases (any role). It does nothing else unless
+``AFORE_ROLE=attention``; in that role it swaps vLLM's routed experts for the
 remote-FFN proxy (:mod:`afore.attention.moe_proxy`) and makes the proxy's exchange op a
 splitting op of vLLM's piecewise CUDA graphs.
 """
@@ -16,6 +17,7 @@ log = logging.getLogger("afore.attention")
 
 
 def register() -> None:
+    _trace_runner()
     if role_.role() != "attention":
         return
     from afore.attention import moe_proxy, vllm_compat
@@ -28,3 +30,21 @@ def register() -> None:
     vllm_compat.trace_moe_forward(moe_proxy.RemoteRoutedExperts)
     vllm_compat.cpu_routing_fallback()
     log.info("afore: attention role, routed experts run on the FFN pool")
+
+
+def _trace_runner() -> None:
+    """With ``AFORE_STAGE_TRACE`` set, time vLLM's step phases (afore.attention.stages.RunnerClock),
+    in plain vLLM too: the same run then says what vLLM's own step costs beside the exchanges."""
+    import os
+
+    from afore.metrics.trace import TRACE_ENV
+
+    if not os.environ.get(TRACE_ENV):
+        return
+    from afore.attention import vllm_compat
+    from afore.attention.stages import RunnerClock
+
+    try:
+        vllm_compat.time_runner_phases(RunnerClock().record)
+    except ImportError as exc:  # a vLLM without the v1 model runner: nothing to time
+        log.warning("afore: %s set but vLLM's model runner cannot be timed: %s", TRACE_ENV, exc)

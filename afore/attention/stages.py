@@ -16,10 +16,31 @@ from __future__ import annotations
 
 from afore.metrics.trace import TRACE_ENV, CsvTrace
 
-__all__ = ["COLUMNS", "TRACE_ENV", "StageClock"]
+__all__ = ["COLUMNS", "RUNNER_COLUMNS", "TRACE_ENV", "StageClock", "RunnerClock"]
 
 COLUMNS = ("step", "layer", "microbatch", "tokens", "prev_exit_ns", "enter_ns", "demand_ns", "sent_ns",
            "recv_start_ns", "done_ns", "a2f_bytes", "f2a_bytes", "seq")
+
+
+#: ``PATH.runner<pid>.csv``: one row per call of a vLLM model-runner phase
+#: (``vllm_compat.RUNNER_PHASES[phase]``) in that process
+RUNNER_COLUMNS = ("phase", "start_ns", "end_ns")
+
+
+class RunnerClock:
+    """The phases of vLLM's own step (inputs, forward, sampling) in the process that runs the
+    model, so that a step's time splits into vLLM's part and the MoE exchanges inside its
+    forward. Installed by the plugin in every vLLM process when ``AFORE_STAGE_TRACE`` is set,
+    afore's attention role or not (plain vLLM with afore installed is traced the same way)."""
+
+    def __init__(self, path: str | None = None, flush_every: int = 256) -> None:
+        import os
+
+        self.trace = CsvTrace.from_env(f"runner{os.getpid()}", RUNNER_COLUMNS, path)
+        self.trace.flush_every = flush_every
+
+    def record(self, phase: int, start_ns: int, end_ns: int) -> None:
+        self.trace.add((phase, start_ns, end_ns))
 
 
 class StageClock:

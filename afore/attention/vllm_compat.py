@@ -174,6 +174,41 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
+#: the model runner's phases that ``time_runner_phases`` times, in the order of a step; the same
+#: methods in 0.26 and 0.32 (``CPUModelRunner`` inherits them from ``GPUModelRunner``)
+RUNNER_PHASES = ("execute_model", "_prepare_inputs", "_model_forward", "sample_tokens")
+
+
+def time_runner_phases(record) -> list[str]:
+    """Call ``record(phase_index, start_ns, end_ns)`` (``time.perf_counter_ns``) around each of
+    ``RUNNER_PHASES`` of vLLM's model runner, in whichever process runs it; returns the phases
+    found (a version without one is timed without it). Idempotent."""
+    import time
+
+    from vllm.v1.worker import gpu_model_runner
+
+    runner = gpu_model_runner.GPUModelRunner
+    found = []
+    for index, name in enumerate(RUNNER_PHASES):
+        fn = runner.__dict__.get(name)
+        if fn is None:
+            continue
+        found.append(name)
+        if getattr(fn, "afore_timed", False):
+            continue
+
+        def timed(*args, _fn=fn, _index=index, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                record(_index, start, time.perf_counter_ns())
+
+        timed.afore_timed = True
+        timed.__wrapped__ = fn
+        setattr(runner, name, timed)
+    return found
+
 
 def quiet_shutdown_race() -> None:
     """Keep vLLM's "AsyncLLM output_handler failed" EngineDeadError traceback out of a requested

@@ -75,3 +75,42 @@ def test_stage_breakdown_joins_the_three_traces_by_seq(tmp_path):
     # the join is by the seq each trace recorded, not one recomputed from (step, layer, microbatch):
     # a wrong layer or microbatch count (a CUDA run's default differs) joins the same rows
     assert stage_breakdown(tmp_path / "st", num_layers=4, microbatches=2) == b
+
+
+def test_runner_breakdown_splits_a_step_into_vllm_and_the_exchanges(tmp_path):
+    """Synthetic runner and attention traces: each decode step's forward holds three layer calls;
+    the breakdown takes the forward minus its calls per step, skips a prefill step (a call over
+    max_tokens), and reads plain vLLM's runner trace (no attention trace) as all steps."""
+    from afore.attention.stages import COLUMNS as ATT, RUNNER_COLUMNS
+    from afore.bench.dataplane.transport import runner_breakdown, runner_markdown
+    from afore.metrics.trace import CsvTrace
+
+    base = str(tmp_path / "st")
+    CsvTrace(base + ".runner7.csv", RUNNER_COLUMNS).flush()  # another process's empty file: ignored
+    run, att = CsvTrace(base + ".runner9.csv", RUNNER_COLUMNS), CsvTrace(base + ".0.csv", ATT)
+    us = 1_000
+    for step in range(5):
+        t = step * 10_000 * us
+        tokens = 64 if step == 2 else 4
+        run.add((0, t, t + 7_000 * us))                       # execute_model
+        run.add((1, t + 100 * us, t + 600 * us))              # prepare inputs 0.5 ms
+        run.add((2, t + 700 * us, t + 6_700 * us))            # forward 6 ms
+        for layer in range(3):                                # three calls of 1.2 ms each
+            e = t + (1_000 + layer * 1_500) * us
+            att.add((step, layer, 0, tokens, 0, e, e, e, e, e + 1_200 * us, 0, 0, step * 3 + layer))
+        run.add((3, t + 7_400 * us, t + 7_700 * us))          # sample tokens 0.3 ms
+    run.flush(), att.flush()
+    b = runner_breakdown(tmp_path / "st")
+    # steps 0, 1, 3 (step 2 is a prefill, step 4 has no next step to end it)
+    assert b["steps"] == 3
+    m = b["median_ms"]
+    assert m["step"] == pytest.approx(10.0) and m["forward"] == pytest.approx(6.0)
+    assert m["exchanges"] == pytest.approx(3.6) and m["forward_without_exchanges"] == pytest.approx(2.4)
+    assert m["prepare_inputs"] == pytest.approx(0.5) and m["sample_tokens"] == pytest.approx(0.3)
+    assert m["other"] == pytest.approx(10.0 - 6.0 - 0.5 - 0.3)
+    (tmp_path / "st.0.csv").unlink()  # as plain vLLM: no layer calls, every step counts
+    plain = runner_breakdown(tmp_path / "st")
+    assert plain["steps"] == 4 and plain["median_ms"]["exchanges"] == 0
+    assert runner_breakdown(tmp_path / "none") == {}
+    table = "\n".join(runner_markdown({"afore-shm": b, "vllm": plain, "x": {}}))
+    assert "| model forward | 6.000 | 6.000 |" in table and "afore-shm (3 steps)" in table

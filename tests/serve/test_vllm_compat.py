@@ -101,3 +101,26 @@ def test_cpu_routing_fallback_is_vllm_026s_cpu_routing_and_idle_where_vllm_route
         want = full / full.sum(-1, keepdim=True) if renormalize else full
         assert torch.allclose(w, want, rtol=1e-6, atol=1e-7)
         assert torch.equal(src, torch.tensor([[r, 6 + r] for r in range(6)], dtype=torch.int32))
+
+
+def test_runner_phases_are_timed_once_each_and_still_raise(monkeypatch):
+    """time_runner_phases wraps each phase of vLLM's model runner once (a second call adds no
+    layer), records (phase, start, end) even when the phase raises, and passes the error on."""
+    from vllm.v1.worker import gpu_model_runner
+
+    from afore.attention import vllm_compat
+
+    runner = gpu_model_runner.GPUModelRunner
+    for name in vllm_compat.RUNNER_PHASES:  # restored after the test
+        if name in runner.__dict__:
+            monkeypatch.setattr(runner, name, runner.__dict__[name])
+    got = []
+    found = vllm_compat.time_runner_phases(lambda *row: got.append(row))
+    assert found == list(vllm_compat.RUNNER_PHASES)  # 0.32 (CI) and 0.26 have all four
+    wrapped = {name: runner.__dict__[name] for name in found}
+    assert vllm_compat.time_runner_phases(lambda *row: got.append(("second",))) == found
+    assert all(runner.__dict__[name] is wrapped[name] for name in found)
+    with pytest.raises((AttributeError, TypeError)):
+        runner._prepare_inputs(types.SimpleNamespace())  # not a runner: the phase fails inside
+    assert len(got) == 1 and got[0][0] == vllm_compat.RUNNER_PHASES.index("_prepare_inputs")
+    assert 0 < got[0][1] <= got[0][2]

@@ -201,8 +201,8 @@ def measure_serve(args, log_dir: Path) -> dict:
 
     model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
     log_dir.mkdir(parents=True, exist_ok=True)
-    trace = log_dir / "stages"
-    for f in log_dir.glob("stages*"):
+    trace, plain_trace = log_dir / "stages", log_dir / "plain"
+    for f in [*log_dir.glob("stages*"), *log_dir.glob("plain.*")]:
         f.unlink()
     out = {}
     common = ["--model", model, "--dtype", "float32", "--max-model-len", "512"]
@@ -217,7 +217,7 @@ def measure_serve(args, log_dir: Path) -> dict:
                               "--verbose", *common], None),
         # the same 1 GiB KV cache that afore serve gives vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)
         ("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--seed", "0"],
-         {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+         {"VLLM_CPU_KVCACHE_SPACE": "1", "AFORE_STAGE_TRACE": str(plain_trace)}),  # vLLM's step phases (the plugin)
     ]
     for name, cmd, env in servers:
         port = free_port()
@@ -227,6 +227,7 @@ def measure_serve(args, log_dir: Path) -> dict:
     from afore.models.checkpoint import read_model_spec
 
     out["breakdown"] = stage_breakdown(trace, num_layers=len(read_model_spec(model).moe_layer_indices), microbatches=1)
+    out["runner"] = {"afore-shm": runner_breakdown(trace), "vllm": runner_breakdown(plain_trace)}
     return out
 
 
@@ -294,6 +295,61 @@ def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max
             v = np.asarray(values, dtype=np.float64) / 1e3
             out["stages"][name] = {"median_us": float(np.median(v)), "mean_us": float(v.mean()), "n": int(v.size)}
     return out
+
+
+def runner_breakdown(trace: Path, max_tokens: int = 8) -> dict:
+    """vLLM's own decode step in the process that runs the model, from the runner trace
+    (``PATH.runner<pid>.csv``, afore.attention.stages.RunnerClock) and, for an afore server, the
+    attention worker's stage trace (``PATH.0.csv``): medians (ms) over the steps whose MoE layer
+    calls all hold at most ``max_tokens`` tokens (decode; plain vLLM: the forwards that contain
+    no layer call, i.e. all of them, filtered by nothing). Per step: ``step`` (this execute_model
+    start to the next), ``forward`` (_model_forward), ``exchanges`` (the MoE layer calls inside
+    that forward, enter to exit, summed), ``forward_without_exchanges`` (their difference, per
+    step), ``prepare_inputs``, ``sample_tokens``, and ``other`` (step minus forward, inputs and
+    sampling: the engine core's scheduling and its two RPCs). {} when there is no runner trace."""
+    from afore.metrics.trace import read_trace
+
+    runner = None
+    for f in sorted(trace.parent.glob(f"{trace.name}.runner*.csv")):
+        rows = read_trace(f)
+        if any(r["phase"] == 0 for r in rows):
+            runner = rows
+            break
+    if runner is None:
+        return {}
+    by_phase = {p: sorted(((r["start_ns"], r["end_ns"]) for r in runner if r["phase"] == p)) for p in range(4)}
+    att_file = trace.parent / f"{trace.name}.0.csv"
+    calls = sorted((r["enter_ns"], r["done_ns"], r["tokens"]) for r in read_trace(att_file)) if att_file.exists() else []
+    enters = np.array([c[0] for c in calls], np.int64)
+
+    def inside(lo: int, hi: int, phase: int) -> int:
+        """The duration of the first ``phase`` call starting in [lo, hi) (0: none)."""
+        for a, b in by_phase[phase]:
+            if lo <= a < hi:
+                return b - a
+        return 0
+
+    samples: dict[str, list[float]] = {k: [] for k in ("step", "forward", "exchanges", "forward_without_exchanges",
+                                                        "prepare_inputs", "sample_tokens", "other")}
+    execs = by_phase[0]
+    for (s0, s1), (n0, _) in zip(execs, execs[1:]):
+        fwd = [(a, b) for a, b in by_phase[2] if s0 <= a < s1]
+        if not fwd:
+            continue
+        f0, f1 = fwd[0]
+        lo, hi = np.searchsorted(enters, f0), np.searchsorted(enters, f1)
+        mine = calls[lo:hi]
+        if calls and (not mine or any(not 0 < t <= max_tokens for _, _, t in mine)):
+            continue  # a prefill (or mixed) step, or an afore forward without its layer calls
+        exchanges = sum(d - e for e, d, _ in mine)
+        prep, sample = inside(s0, s1, 1), inside(s1, n0, 3)
+        for key, v in (("step", n0 - s0), ("forward", f1 - f0), ("exchanges", exchanges),
+                       ("forward_without_exchanges", f1 - f0 - exchanges), ("prepare_inputs", prep),
+                       ("sample_tokens", sample), ("other", n0 - s0 - (f1 - f0) - prep - sample)):
+            samples[key].append(v / 1e6)
+    if not samples["step"]:
+        return {}
+    return {"steps": len(samples["step"]), "median_ms": {k: float(np.median(v)) for k, v in samples.items()}}
 
 
 # ------------------------------------------------------------------ report
@@ -379,7 +435,32 @@ def markdown(r: dict) -> str:
             lines += ["", "FFN stages are per worker (both workers' samples); the scheduler's run beside the A2F post "
                       "and the FFN workers' wake-up. A mean far above its median is preemption: more runnable "
                       "processes than cores.", ""]
+        lines += runner_markdown(s.get("runner") or {})
     return "\n".join(lines)
+
+
+RUNNER_ROWS = (("step", "decode step (execute_model to the next)"), ("forward", "model forward"),
+               ("exchanges", "of which MoE layer calls (exchanges with the FFN pool)"),
+               ("forward_without_exchanges", "of which the rest of the forward"),
+               ("prepare_inputs", "prepare inputs"), ("sample_tokens", "sample tokens"),
+               ("other", "other (engine core: scheduling, its two RPCs to the worker)"))
+
+
+def runner_markdown(runner: dict) -> list[str]:
+    """The table of ``runner_breakdown`` per server ([] when no server has one)."""
+    names = [n for n, b in runner.items() if b]
+    if not names:
+        return []
+    lines = ["### vLLM's step in the process that runs the model (medians over decode steps, ms; AFORE_STAGE_TRACE, "
+             "afore's plugin times vLLM's model-runner phases, in plain vLLM too)", "",
+             "| phase | " + " | ".join(f"{n} ({runner[n]['steps']} steps)" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for key, label in RUNNER_ROWS:
+        lines.append(f"| {label} | " + " | ".join(f"{runner[n]['median_ms'][key]:.3f}" for n in names) + " |")
+    lines += ["", "Each figure is a median over steps on its own (the rows do not add up exactly); 'rest of the "
+              "forward' is taken per step (forward minus its layer calls). Plain vLLM computes its experts inside "
+              "its forward.", ""]
+    return lines
 
 
 def plot(r: dict, path: Path) -> None:
