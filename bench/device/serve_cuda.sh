@@ -46,8 +46,10 @@ elif [ -n "${CAPTURE:-}" ]; then
   echo "CAPTURE=$CAPTURE ignored: this vLLM has no --max-cudagraph-capture-size"
 fi
 FFN=${FFN:-2}  # FFN worker processes of each afore server, all on this one GPU
-python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port 8100 "${common[@]}" "${memory[@]}" \
-  > "$OUT/plain-vllm.log" 2>&1 &
+# plain vLLM too writes its model-runner phases (afore's plugin, AFORE_STAGE_TRACE: no other effect)
+rm -f /tmp/plain-stages.*
+AFORE_STAGE_TRACE=/tmp/plain-stages python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port 8100 \
+  "${common[@]}" "${memory[@]}" > "$OUT/plain-vllm.log" 2>&1 &
 pids=($!); servers="vllm=http://127.0.0.1:8100"; port=8000
 for v in $VARIANTS; do
   t=${v%%+*}; extra=(); [ "$v" = "${v%+nopace}" ] || extra=(--copy-rate-gbps 0); [ "$v" = "${v%+exact}" ] || extra+=(--exact)
@@ -89,7 +91,7 @@ kill -TERM "${pids[@]}"; wait "${pids[@]}"
 python3 - "$OUT" "$LAYERS" $VARIANTS <<'PY'
 import json, sys
 from pathlib import Path
-from afore.bench.dataplane.transport import stage_breakdown
+from afore.bench.dataplane.transport import runner_breakdown, runner_markdown, stage_breakdown
 out, layers = Path(sys.argv[1]), int(sys.argv[2])
 result, lines = {}, ["# Stage breakdown of a decode target, afore serve on one H200 (medians, us)", ""]
 for t in sys.argv[3:]:
@@ -98,6 +100,10 @@ for t in sys.argv[3:]:
     lines += [f"## afore-{t}: {result[t].get('targets', 0)} decode targets", "", "| stage | median us | mean us | n |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['median_us']:.0f} | {v['mean_us']:.0f} | {v['n']} |" for k, v in result[t].get("stages", {}).items()]
     lines.append("")
+runner = {"vllm": runner_breakdown(Path("/tmp/plain-stages"))}
+runner.update({f"afore-{t}": runner_breakdown(Path(f"/tmp/stages-{t}")) for t in sys.argv[3:]})
+result["runner"] = runner
+lines += runner_markdown(runner)
 (out / "serve_cuda_stages.json").write_text(json.dumps(result, indent=1))
 (out / "serve_cuda_stages.md").write_text("\n".join(lines))
 print("\n".join(lines))
