@@ -238,6 +238,9 @@ class FFNWorker:
         """This worker's view of ``mb``'s plan before the vote: the scheduler's plan if it came in
         time, passed its checks (prepared: its copies submitted; demand equal to the routed
         counts; committable), else None (counted why)."""
+        # counted before the plan is waited for: it needs only the target, and the plan usually
+        # comes after the target (the scheduler's turn-around), so this costs no wait
+        self._routed = routed = self._routed_counts(mb)
         plan = self._early.pop(mb.seq, None)
         if plan is None:
             plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3)
@@ -247,7 +250,6 @@ class FFNWorker:
                 self.metrics.count_plan("rejected")
                 log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
                 plan = None
-        self._routed = routed = self._routed_counts(mb)
         if plan is not None and routed is not None and not np.array_equal(plan.demand, routed):
             # the plan was made for other demand (wrong or stale report): correct either way, but
             # its balance is not what it claims, so it is not used (and not counted as used)

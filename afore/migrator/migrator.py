@@ -136,6 +136,8 @@ class Migrator:
         r = shape.redundant_slots
         # Content of each redundant slot once every submitted / prepared copy has run.
         self.projected = {layer: pool.resident[self.num_primaries:].copy() for layer, pool in pools.items()}
+        self._static_pointers = (self._owner_arr.ctypes.data, self._primary_flat.ctypes.data, self._primary_slot.ctypes.data)
+        self._pointers: dict[int, tuple[np.ndarray, int]] = {}
         self.pending: dict[int, list[CopyBatch | None]] = {layer: [None] * r for layer in pools}
         self.last_read: dict[int, list[object | None]] = {layer: [None] * r for layer in pools}
         self.readers: dict[int, list[set[int]]] = {layer: [set() for _ in range(r)] for layer in pools}
@@ -176,11 +178,16 @@ class Migrator:
                 and plan.demand.dtype == np.int64 and plan.demand.flags.c_contiguous:
             # the same checks and messages in one C++ call (afore._ffn, csrc/ffn/plan_check.cpp)
             projected = self.projected[plan.target.layer]
+            # the addresses of this worker's own arrays are read once (``.ctypes.data`` costs ~1 us
+            # each); ``projected`` is changed in place, and re-read if it was replaced
+            cached = self._pointers.get(plan.target.layer)
+            if cached is None or cached[0] is not projected:
+                cached = self._pointers[plan.target.layer] = (projected, projected.ctypes.data)
+            owner, flat, primary = self._static_pointers
             reason, reads = _native_check(e, f, self.worker, self.num_primaries,
                                           self.num_primaries + self.shape.redundant_slots, assignment.ctypes.data,
                                           slot.ctypes.data, plan.demand.ctypes.data, plan.copies.ctypes.data,
-                                          len(plan.copies), self._owner_arr.ctypes.data, self._primary_flat.ctypes.data,
-                                          self._primary_slot.ctypes.data, projected.ctypes.data, projected.size)
+                                          len(plan.copies), owner, flat, primary, cached[1], projected.size)
             return (reason or None), (reads if not reason else [])
         if plan.demand.shape != (e,) or (assignment.sum(axis=1) != plan.demand).any():
             return "assignment: rows do not sum to demand", []

@@ -356,9 +356,42 @@ nb::tuple decode_plan_entry(const Bytes& data, int64_t e_expected, int64_t f_exp
   return nb::make_tuple(step, layer, microbatch, seq, c, gain, exposed, primary_only, offset);
 }
 
+// bool[F, R]: redundant slot (w, r) holds an expert e (table_expert[w, r] >= 0) that has pairs on w
+// in the plan (assignment[e, w] > 0) bound to that very slot (slot[e, w] == primary_counts[w] + r):
+// the protected slots U of the layer's next target (policies/base.py slots_with_work).
+Out<bool, 2> slots_with_work(const In<int32_t, 2>& table_expert, const In<int32_t, 2>& assignment,
+                             const In<int32_t, 2>& slot, const In<int64_t, 1>& primary_counts) {
+  const int64_t f = static_cast<int64_t>(table_expert.shape(0)), r = static_cast<int64_t>(table_expert.shape(1));
+  const int64_t e = static_cast<int64_t>(assignment.shape(0));
+  check_shape(assignment, "assignment", {e, f});
+  check_shape(slot, "slot", {e, f});
+  check_shape(primary_counts, "primary_counts", {f});
+  Buffer<bool> out(static_cast<size_t>(f * r));
+  const int32_t* ex = table_expert.data();
+  const int32_t* a = assignment.data();
+  const int32_t* sl = slot.data();
+  const int64_t* pc = primary_counts.data();
+  for (int64_t w = 0; w < f; ++w) {
+    for (int64_t j = 0; j < r; ++j) {
+      const int32_t x = ex[w * r + j];
+      bool work = false;
+      if (x >= 0) {
+        if (x >= e) throw std::invalid_argument("table_expert: expert " + std::to_string(x) + " out of range");
+        work = a[x * f + w] > 0 && sl[x * f + w] == pc[w] + j;
+      }
+      out.data[w * r + j] = work;
+    }
+  }
+  size_t shape[2] = {static_cast<size_t>(f), static_cast<size_t>(r)};
+  return Out<bool, 2>(out.data, 2, shape, out.owner);
+}
+
 }  // namespace
 
 NB_MODULE(_scheduler_core, m) {
+  m.def("slots_with_work", &slots_with_work, "table_expert"_a, "assignment"_a, "slot"_a, "primary_counts"_a,
+        "bool[F, R]: the redundant slots whose expert has pairs on their worker in the plan, bound to that "
+        "slot (int32 table_expert[F, R], assignment[E, F], slot[E, F], int64 primary_counts[F]).");
   m.def("decode_plan_entry", &decode_plan_entry, "data"_a, "num_experts"_a, "num_workers"_a,
         "num_layers"_a, "k_max"_a, "version"_a,
         "Every check of plan_codec.decode_worker_plan on an encoded plan (uint8[n]) in one pass, in "

@@ -255,3 +255,35 @@ def test_set_state_seeds_the_first_plan():
     assert all(c[2] != 1 or c[3] != SHAPE.primary_counts[1] for c in plan.copies.tolist())
     with pytest.raises(ValueError, match="protected"):
         policy.set_state(0, table, np.zeros((3, 2), bool))
+
+
+def test_slots_with_work_in_cpp_is_the_numpy_expression(monkeypatch):
+    """The C++ slots_with_work (the scheduler's critical path) against the numpy expression on
+    random tables and plans: unbound slots, experts bound elsewhere, work on other workers."""
+    from afore.scheduler.policies import base
+
+    assert base._core_slots_with_work is not None  # the build has it
+    busy = 0
+    for seed in range(200):
+        busy += _compare_slots_with_work(seed, monkeypatch)
+    assert busy > 50  # the inputs do bind slots with work
+
+
+def _compare_slots_with_work(seed, monkeypatch) -> int:
+    from afore.scheduler.policies import base
+
+    rng = np.random.default_rng(seed)
+    e, f, r = int(rng.integers(2, 40)), int(rng.integers(1, 9)), int(rng.integers(1, 4))
+    shape = ClusterShape(num_experts=e, num_workers=f, num_layers=1, redundant_slots=r, top_k=1)
+    expert = rng.integers(-1, e, size=(f, r)).astype(np.int32)
+    assignment = (rng.integers(0, 3, size=(e, f)) * (rng.random((e, f)) < 0.5)).astype(np.int32)
+    slot_ids = shape.primary_counts[None, :] + rng.integers(-1, r + 1, size=(e, f))
+    slot = np.where(rng.random((e, f)) < 0.2, -1, slot_ids).astype(np.int32)
+    plan = type("P", (), {"assignment": assignment, "slot": slot})()
+    table = SlotTable(expert, np.zeros((f, r), np.int64))
+    got = slots_with_work(shape, table, plan)
+    with monkeypatch.context() as m:
+        m.setattr(base, "_core_slots_with_work", None)
+        want = slots_with_work(shape, table, plan)
+    assert got.dtype == want.dtype == np.bool_ and np.array_equal(got, want), seed
+    return int(want.sum())

@@ -62,10 +62,28 @@ def slots_with_work(shape: ClusterShape, table: SlotTable, plan: Plan | None) ->
     """bool[F, R]: slot (w, r) holds an expert that has pairs on w in ``plan``."""
     if plan is None:
         return np.zeros((shape.num_workers, shape.redundant_slots), bool)
+    expert, assignment, slot = table.expert, plan.assignment, plan.slot
+    if _core_slots_with_work is not None and all(isinstance(a, np.ndarray) and a.dtype == np.int32 and a.flags.c_contiguous
+                                                 for a in (expert, assignment, slot)):
+        # the same in one C++ pass (the scheduler's critical path: every plan of every layer)
+        return _core_slots_with_work(expert, assignment, slot, _primary_counts(shape))
     column, slot_ids = _redundant_slot_ids(shape)
     expert = table.expert
     flat = np.maximum(expert, 0) * shape.num_workers + column  # [e, w] of each slot's expert (unbound: masked)
     return (expert >= 0) & (np.take(plan.assignment, flat) > 0) & (np.take(plan.slot, flat) == slot_ids)
+
+
+try:
+    from afore._scheduler_core import slots_with_work as _core_slots_with_work
+except ImportError:  # an older build of the core: the numpy expression serves alone
+    _core_slots_with_work = None
+
+
+@functools.lru_cache(maxsize=64)
+def _primary_counts(shape: ClusterShape) -> np.ndarray:
+    counts = np.ascontiguousarray(shape.primary_counts, dtype=np.int64)
+    counts.flags.writeable = False
+    return counts
 
 
 @functools.lru_cache(maxsize=64)
