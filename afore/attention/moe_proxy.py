@@ -7,8 +7,9 @@ only the routed-expert part:
 1. split the layer call's tokens into ``microbatches`` contiguous targets
    (every target exists on every attention worker, possibly empty, so the FFN
    side and the scheduler see the same target sequence from all A workers);
-2. count the demand of each target on the device (``torch.bincount``, no host
-   sync) and hand it to the demand path;
+2. count the demand of each target and hand it to the demand path: before its
+   tokens are posted where the ids are on the host (CPU); after, on a GPU through
+   the shm transport, from the host copy of the ids that the post made;
 3. post every target on the A2F path before waiting for any, so at least two
    targets are in flight at the FFN side;
 4. gather the F2A partials and return their sum.
@@ -125,6 +126,10 @@ class ShmLink:
         self._pending[seq] = self.end.send(Target(step, layer, microbatch), seq, hidden, topk_ids, topk_weights)
         return self.end.bytes_sent - before
 
+    def host_ids(self, seq) -> torch.Tensor:
+        """The routing ids of in-flight target ``seq`` on the host (its request slot: int32 [n, k])."""
+        return self.end.sent_ids(self._pending[seq])
+
     def recv(self, seq, num_tokens, hidden, dtype) -> tuple[torch.Tensor, int]:
         """The combined output of one target and the bytes read (F2A)."""
         before = self.end.bytes_received
@@ -234,14 +239,25 @@ class RemoteRoutedExperts(_RoutedExperts):
         bounds = [n * m // cfg.microbatches for m in range(cfg.microbatches + 1)]
         link = state.link
         stamps = []
+        # GPU ids through the shm transport: post the tokens first, then count the demand from the
+        # host copy of the ids that the post made (numpy, no device op and no second transfer);
+        # host ids (CPU): the demand first, so that the scheduler starts before the tokens move
+        after_post = x.is_cuda and hasattr(link, "host_ids")
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             ids = topk_ids[lo:hi]
             seq = state.seq(self.moe_position, m)
-            state.demand.emit(state.step, self.moe_position, m, seq, ids)
-            demand = time.perf_counter_ns()
-            a2f = link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
-            stamps.append((demand, time.perf_counter_ns(), a2f))
+            if after_post:
+                a2f = link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
+                sent = time.perf_counter_ns()
+                state.demand.emit(state.step, self.moe_position, m, seq, link.host_ids(seq))
+                demand = time.perf_counter_ns()
+            else:
+                state.demand.emit(state.step, self.moe_position, m, seq, ids)
+                demand = time.perf_counter_ns()
+                a2f = link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
+                sent = time.perf_counter_ns()
+            stamps.append((demand, sent, a2f))
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             start = time.perf_counter_ns()

@@ -358,11 +358,14 @@ def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, 
             prev = first[col["enter_ns"]]
             for b in range(M):
                 r = cur[(l, b)]
-                out["demand_emit_ms"][i, l, b] = (r[col["demand_ns"]] - prev) / 1e6
-                out["a2f_post_ms"][i, l, b] = (r[col["sent_ns"]] - r[col["demand_ns"]]) / 1e6
+                demand, sent = r[col["demand_ns"]], r[col["sent_ns"]]
+                if demand <= sent:  # the demand, then the post (host ids)
+                    out["demand_emit_ms"][i, l, b], out["a2f_post_ms"][i, l, b] = (demand - prev) / 1e6, (sent - demand) / 1e6
+                else:  # the post, then the demand from its host copy of the ids (GPU, shm)
+                    out["a2f_post_ms"][i, l, b], out["demand_emit_ms"][i, l, b] = (sent - prev) / 1e6, (demand - sent) / 1e6
                 out["f2a_wait_ms"][i, l, b] = (r[col["done_ns"]] - r[col["recv_start_ns"]]) / 1e6
                 out["tokens"][i, l, b] = r[col["tokens"]]
-                prev = r[col["sent_ns"]]
+                prev = max(demand, sent)
     return out
 
 

@@ -447,6 +447,15 @@ class ShmAttentionEnd:
         self._inflight.append(sent)
         return sent
 
+    def sent_ids(self, sent: _Sent) -> torch.Tensor:
+        """The routing ids of an in-flight target as its request slot holds them: int32 [n, k] on
+        the host (a view of the slot, valid until the target is received). For a target sent from
+        a GPU this is the host copy the send already made: its demand is counted from it without
+        another device-to-host transfer."""
+        if sent not in self._inflight:
+            raise ValueError(f"sent: target {sent.seq} is not in flight")
+        return self.seg.req_views(self.rank, sent.counter % self.layout.depth)[1][:sent.num_tokens]
+
     def recv(self, sent: _Sent) -> torch.Tensor:
         if not self._inflight or self._inflight[0] is not sent:
             raise ValueError("sent: expected the oldest outstanding target (replies arrive in send order)")

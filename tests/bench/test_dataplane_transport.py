@@ -114,3 +114,20 @@ def test_runner_breakdown_splits_a_step_into_vllm_and_the_exchanges(tmp_path):
     assert runner_breakdown(tmp_path / "none") == {}
     table = "\n".join(runner_markdown({"afore-shm": b, "vllm": plain, "x": {}}))
     assert "| model forward | 6.000 | 6.000 |" in table and "afore-shm (3 steps)" in table
+
+
+def test_stage_breakdown_takes_a_post_before_its_demand_in_that_order(tmp_path):
+    """GPU attention workers post a target first and emit its demand from the host ids after:
+    the two stages are then post = entry -> sent, demand = sent -> demand, never negative."""
+    from afore.attention.stages import COLUMNS as ATT
+    from afore.bench.dataplane.transport import stage_breakdown
+    from afore.metrics.trace import CsvTrace
+
+    att = CsvTrace(str(tmp_path / "st") + ".0.csv", ATT)
+    for seq in range(3):
+        t = 1_000_000 * (seq + 1)
+        # enter +100 us, sent +140 (post 40 us), demand +150 (10 us after the post)
+        att.add((seq, 0, 0, 4, t, t + 100_000, t + 150_000, t + 140_000, t + 141_000, t + 600_000, 0, 0, seq))
+    att.flush()
+    st = {k: v["median_us"] for k, v in stage_breakdown(tmp_path / "st", num_layers=1)["stages"].items()}
+    assert st["A2F post (rows into shm, wake)"] == 40 and st["demand emit (count + mailbox put)"] == 10

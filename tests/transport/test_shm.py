@@ -271,3 +271,34 @@ def test_a_tally_with_another_flag_than_the_posted_vote_is_refused():
         end.close()
     finally:
         seg.close()
+
+
+def test_sent_ids_are_the_slots_host_copy_of_an_in_flight_target():
+    """The attention end hands out the ids of an in-flight target as its request slot holds them
+    (int32, host): what a GPU worker counts its demand from. Not once the target was received."""
+    layout = ShmLayout(num_attention=1, num_ffn=1, hidden=H, top_k=K, max_tokens=4, depth=2)
+    name = _name("ids")
+    seg = ShmSegment.create(name, layout)
+    try:
+        seg.pids[1] = os.getpid()
+        att = ShmAttentionEnd(name, layout, 0, timeout_s=5)
+        ffn = ShmFFNEnd(name, layout, 0, timeout_s=5)
+        sent = []
+        for t, n in enumerate((3, 2)):  # two targets in the two slots, different sizes
+            ids = torch.randint(0, 8, (n, K), dtype=torch.int64)  # int64 in: the slot holds int32
+            sent.append((att.send(Target(t, 0, 0), t, torch.randn(n, H), ids, torch.rand(n, K)), ids))
+        for s, ids in sent:
+            got = att.sent_ids(s)
+            assert got.dtype == torch.int32 and got.device.type == "cpu" and torch.equal(got.long(), ids)
+        for _ in sent:  # the FFN side replies to both (no rows of its own), the attention end takes them
+            mb = ffn.recv(1.0)
+            ffn.send(mb, ReplyRows(torch.zeros(0, dtype=torch.int64), torch.zeros(0, H)))
+        att.recv(sent[0][0])
+        with pytest.raises(ValueError, match="not in flight"):
+            att.sent_ids(sent[0][0])
+        assert torch.equal(att.sent_ids(sent[1][0]).long(), sent[1][1])
+        att.recv(sent[1][0])
+        ffn.close()
+        att.close()
+    finally:
+        seg.close()

@@ -254,11 +254,16 @@ STAGES = (
 )
 
 
+_DEMAND, _POST = STAGES[1][0], STAGES[2][0]
+
+
 def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max_tokens: int = 8) -> dict:
     """Median and mean (us) of every stage in ``STAGES`` over the decode targets (at most
     ``max_tokens`` tokens) of one run traced with AFORE_STAGE_TRACE=``trace``: the attention
     worker 0 trace, the scheduler's and every FFN worker's (afore.metrics.trace), joined by seq.
-    FFN stages are taken per worker; the last reply (the worker that finished last) ends F2A."""
+    FFN stages are taken per worker; the last reply (the worker that finished last) ends F2A.
+    Where a target's demand was emitted after its post (GPU ids through shm), the two stages are
+    taken in that order (post: from the call's entry; demand: from the post)."""
     from afore.metrics.trace import read_trace
 
     att_file = trace.parent / f"{trace.name}.0.csv"
@@ -274,6 +279,9 @@ def stage_breakdown(trace: Path, num_layers: int = 3, microbatches: int = 1, max
         seq = a["seq"] if "seq" in a else (a["step"] * num_layers + a["layer"]) * microbatches + a["microbatch"]
         rows = {"a": [a], "s": [sched[seq]] if seq in sched else [], "f": [w[seq] for w in ffn if seq in w]}
         for name, (t0, c0), (t1, c1) in STAGES:
+            if a["demand_ns"] > a["sent_ns"] and name in (_DEMAND, _POST):  # GPU: posted first, demand after
+                samples[name].append(a["demand_ns"] - a["sent_ns"] if name == _DEMAND else a["sent_ns"] - a["enter_ns"])
+                continue
             if name.startswith("F2A"):  # from the last reply handed over
                 if rows["f"]:
                     samples[name].append(a["done_ns"] - max(r["sent_ns"] for r in rows["f"]))
