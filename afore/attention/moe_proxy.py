@@ -14,6 +14,12 @@ only the routed-expert part:
    targets are in flight at the FFN side;
 4. gather the F2A partials and return their sum.
 
+With ``microbatches`` >= 2 and ping-pong on (the default), vLLM's model runner splits a decode
+step of at least M requests into M microbatches that run the model in turn
+(:mod:`afore.attention.pingpong`); each layer call is then one target
+(:meth:`RemoteRoutedExperts.pingpong_forward`): post it, let the next microbatch compute its
+attention while the FFN pool computes this one, then take the reply.
+
 Routed-expert weights are not created and checkpoint tensors for them are
 dropped at load: they live on the FFN workers.
 
@@ -32,6 +38,7 @@ from collections.abc import Iterable
 
 import torch
 
+from afore.attention import pingpong
 from afore.attention import role as role_
 from afore.attention import vllm_compat
 from afore.attention.demand import DemandEmitter
@@ -54,6 +61,7 @@ class ForwardCounter:
             raise ValueError(f"data_parallel_rank: expected in [0, {cfg.attn_workers}) (attn_workers), got {self.worker}")
         self._link: TorchLink | None = None
         self.clock = StageClock(self.worker)
+        self.prev_exit_ns: dict[int, int] = {}  # ping-pong: per microbatch, when its last exchange ended
         self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker, cfg.demand,
                                     os.environ.get(role_.DEMAND_TOKEN_ENV, "") if cfg.demand else "")
 
@@ -214,6 +222,8 @@ class RemoteRoutedExperts(_RoutedExperts):
         self.attn_worker = vllm_compat.data_parallel_rank()  # the vLLM config is only current at build time
         _layers[layer_name] = self
         if self.moe_position == 0:
+            if cfg.pingpong and cfg.microbatches >= 2:
+                pingpong.install(cfg.microbatches)  # vLLM's runner splits safe decode steps (afore.attention.pingpong)
             _counter(self.attn_worker).link  # connect to the FFN pool while the model is built, not at the first request
 
     def _get_quant_method(self, prefix, quant_config, moe_config):
@@ -231,6 +241,9 @@ class RemoteRoutedExperts(_RoutedExperts):
         """Exchange with the FFN pool; writes the combined routed output [n, H] into ``out``."""
         state = _counter(self.attn_worker)
         cfg = state.cfg
+        m = pingpong.current()
+        if m is not None:
+            return self.pingpong_forward(m, x, topk_weights, topk_ids, out)
         if self.moe_position == 0:
             state.step += 1
         clock = state.clock
@@ -238,26 +251,9 @@ class RemoteRoutedExperts(_RoutedExperts):
         n = x.shape[0]
         bounds = [n * m // cfg.microbatches for m in range(cfg.microbatches + 1)]
         link = state.link
-        stamps = []
-        # GPU ids through the shm transport: post the tokens first, then count the demand from the
-        # host copy of the ids that the post made (numpy, no device op and no second transfer);
-        # host ids (CPU): the demand first, so that the scheduler starts before the tokens move
         after_post = x.is_cuda and hasattr(link, "host_ids")
-        for m in range(cfg.microbatches):
-            lo, hi = bounds[m], bounds[m + 1]
-            ids = topk_ids[lo:hi]
-            seq = state.seq(self.moe_position, m)
-            if after_post:
-                a2f = link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
-                sent = time.perf_counter_ns()
-                state.demand.emit(state.step, self.moe_position, m, seq, link.host_ids(seq))
-                demand = time.perf_counter_ns()
-            else:
-                state.demand.emit(state.step, self.moe_position, m, seq, ids)
-                demand = time.perf_counter_ns()
-                a2f = link.send(seq, state.step, self.moe_position, m, x[lo:hi], ids, topk_weights[lo:hi])
-                sent = time.perf_counter_ns()
-            stamps.append((demand, sent, a2f))
+        stamps = [self._post(state, link, m, x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi], after_post)
+                  for m, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             start = time.perf_counter_ns()
@@ -269,6 +265,47 @@ class RemoteRoutedExperts(_RoutedExperts):
             clock.record((state.step, self.moe_position, m, hi - lo, clock.prev_exit_ns, enter, demand, sent, start, done,
                           a2f, f2a, seq))
         clock.prev_exit_ns = time.perf_counter_ns()
+
+    def _post(self, state: ForwardCounter, link, m: int, x, ids, weights, after_post: bool) -> tuple[int, int, int]:
+        """Post microbatch ``m`` of this layer and hand its demand to the demand path; returns the
+        (demand, sent) stamps and the A2F bytes. GPU ids through the shm transport: post the
+        tokens first, then count the demand from the host copy of the ids that the post made
+        (numpy, no device op and no second transfer); host ids (CPU): the demand first, so that
+        the scheduler starts before the tokens move."""
+        seq = state.seq(self.moe_position, m)
+        if after_post:
+            a2f = link.send(seq, state.step, self.moe_position, m, x, ids, weights)
+            sent = time.perf_counter_ns()
+            state.demand.emit(state.step, self.moe_position, m, seq, link.host_ids(seq))
+            demand = time.perf_counter_ns()
+        else:
+            state.demand.emit(state.step, self.moe_position, m, seq, ids)
+            demand = time.perf_counter_ns()
+            a2f = link.send(seq, state.step, self.moe_position, m, x, ids, weights)
+            sent = time.perf_counter_ns()
+        return demand, sent, a2f
+
+    def pingpong_forward(self, m: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         out: torch.Tensor) -> None:
+        """Microbatch ``m`` of a ping-pong step (afore.attention.pingpong): this call's tokens are
+        that one target; post it, let the next microbatch run its attention while the FFN pool
+        computes this one, take the reply when the baton comes back."""
+        state = _counter(self.attn_worker)
+        if self.moe_position == 0 and m == 0:  # microbatch 0 reaches the first MoE layer first
+            state.step += 1
+        clock = state.clock
+        enter = time.perf_counter_ns()
+        link = state.link
+        demand, sent, a2f = self._post(state, link, m, x, topk_ids, topk_weights, x.is_cuda and hasattr(link, "host_ids"))
+        pingpong.yield_()
+        start = time.perf_counter_ns()
+        seq = state.seq(self.moe_position, m)
+        part, f2a = link.recv(seq, x.shape[0], x.shape[1], x.dtype)
+        out.copy_(part.to(device=x.device, dtype=x.dtype))
+        done = time.perf_counter_ns()
+        prev = state.prev_exit_ns.get(m, 0)
+        clock.record((state.step, self.moe_position, m, x.shape[0], prev, enter, demand, sent, start, done, a2f, f2a, seq))
+        state.prev_exit_ns[m] = time.perf_counter_ns()
 
 
 REMOTE_EXPERTS_OP = "afore::remote_experts"

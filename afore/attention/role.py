@@ -56,6 +56,8 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     max_tokens: int = 0           # shm: tokens per target the segment holds (vLLM's max_num_batched_tokens)
     depth: int = 2                # shm: targets in flight per attention worker (>= microbatches)
     exact: bool = False           # shm: replies per token-expert pair, summed as vLLM sums them (afore.ffn.exact)
+    pingpong: bool = True         # microbatches >= 2: split decode steps into ping-pong microbatches
+                                  # (afore.attention.pingpong); False: post all of a call's targets, then wait
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:

@@ -56,7 +56,8 @@ class StageClock:
     def record(self, row: tuple) -> None:
         from afore.metrics.attention import observe_exchange
 
-        observe_exchange(worker=self.worker, wait_s=max(0, row[9] - row[8]) / 1e9, a2f_bytes=row[10], f2a_bytes=row[11])
+        observe_exchange(worker=self.worker, wait_s=max(0, row[9] - row[8]) / 1e9, a2f_bytes=row[10], f2a_bytes=row[11],
+                         overlap_s=max(0, row[8] - row[7]) / 1e9)
         self.trace.add(row)
 
     def flush(self) -> None:

@@ -38,9 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # removed: afore's families are on /metrics of the API port (role ffn: the admin port); docs/metrics.md
     parser.add_argument("--metrics-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=None,
-                        help="targets per MoE call; 2 keeps two in flight at the FFN side (its next plan read and "
-                             "copies started while one computes), 1 halves the per-target cost of small decode steps "
-                             "(default: 1 on cpu, 2 on cuda)")
+                        help="targets per MoE layer and step (default 1); with M >= 2 a step of at least M requests "
+                             "runs as M ping-pong microbatches (microbatch b+1's attention while the FFN pool computes b; "
+                             "--no-pingpong: all posted, then all awaited)")
+    parser.add_argument("--no-pingpong", action="store_true",
+                        help="with --microbatches >= 2: post a layer's microbatches together and wait for all (no "
+                             "overlap of attention and FFN; the A/B baseline of the ping-pong schedule)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
                         help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "
@@ -101,7 +104,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
                         primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration,
-                        exact=args.exact)
+                        exact=args.exact, pingpong=not args.no_pingpong)
 
 
 def run(args: argparse.Namespace) -> int:

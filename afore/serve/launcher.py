@@ -115,6 +115,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     primaries_file: str = ""        # layout JSON (afore profile affinity --layout-out) or affinity profile (.npz)
     calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
     exact: bool = False             # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch
+    pingpong: bool = True           # microbatches >= 2: microbatch b+1's attention overlaps b's FFN (afore.attention.pingpong)
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -543,7 +544,7 @@ class Launcher:
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
                                    shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
-                                   depth=self.depth, exact=self.opts.exact)
+                                   depth=self.depth, exact=self.opts.exact, pingpong=self.opts.pingpong)
         env = {**self.child_env(), **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}

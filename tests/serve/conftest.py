@@ -22,12 +22,22 @@ def qwen3_model() -> str:
     return tiny("qwen3_moe")
 
 
+_BATCHED: list[dict] = []
+
+
 @pytest.fixture(scope="session")
 def qwen3_reference(qwen3_model, log_dir) -> list[dict]:
     """Plain vLLM's greedy outputs on the tiny Qwen3-MoE (one server start per session)."""
     from servers import reference
 
-    return reference(qwen3_model, os.path.join(log_dir, "plain-qwen3.log"))
+    return reference(qwen3_model, os.path.join(log_dir, "plain-qwen3.log"), batched=_BATCHED)
+
+
+@pytest.fixture(scope="session")
+def qwen3_batched_reference(qwen3_reference) -> list[dict]:
+    """Plain vLLM's outputs of all PROMPTS in one request (``Server.batched``), same server."""
+    assert _BATCHED, "the plain reference server gave no batched outputs"
+    return _BATCHED
 
 
 @pytest.fixture

@@ -155,6 +155,18 @@ class Server:
             results.append({"ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]})
         return results
 
+    def batched(self, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
+        """Per prompt: token ids and their logprobs, all prompts in one request: vLLM schedules
+        them together (prefills in one step, then decode steps of all of them), on every server
+        alike, so the batches are the same and a server may split them (ping-pong)."""
+        code, out = self.complete(list(prompts), max_tokens=max_tokens)
+        assert code == 200, f"completion failed with {code}: {out}\n{self.tail()}"
+        results = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            lp = choice["logprobs"]
+            results.append({"ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]})
+        return results
+
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -258,10 +270,13 @@ class PlainServer(Server):
         super().__init__(cmd, port, log_path)
 
 
-def reference(model: str, log_path: str, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
-    """Greedy outputs of plain vLLM on ``model`` (server started, queried, stopped)."""
+def reference(model: str, log_path: str, prompts=PROMPTS, max_tokens: int = 12, batched: list | None = None) -> list[dict]:
+    """Greedy outputs of plain vLLM on ``model`` (server started, queried, stopped); with a list
+    ``batched``, the outputs of ``Server.batched`` are appended to it too (the same server)."""
     server = PlainServer(model, log_path)
     try:
+        if batched is not None:
+            batched.extend(server.batched(prompts, max_tokens))
         return server.greedy(prompts, max_tokens)
     finally:
         server.stop()

@@ -57,8 +57,16 @@ def a1f2(model, want, log_dir):
 
 
 @pytest.fixture(scope="module")
+def batched_want(qwen3_batched_reference) -> list[dict]:
+    return qwen3_batched_reference
+
+
+@pytest.fixture(scope="module")
 def a2f2(model, want, log_dir):
-    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a2f2.log"), attn_workers=2, ffn_workers=2)
+    # two ping-pong microbatches (afore.attention.pingpong): each data-parallel rank splits its
+    # own decode steps of >= 2 requests
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-a2f2.log"), attn_workers=2, ffn_workers=2,
+                         extra=["--microbatches", "2"])
     yield server
     server.stop()
 
@@ -87,6 +95,19 @@ def test_a1f2_every_policy_token_identical(a1f2, want, policy):
     assert status["policy"] == policy and status["processes"]["scheduler"]["alive"]
     assert_same_generation(a1f2.greedy(), want)
     assert a1f2.status()["processes"]["scheduler"]["alive"], "the scheduler must keep running after a switch"
+
+
+def _pingpong_steps(server) -> float:
+    code, text = http("GET", server.url + "/metrics", timeout=10)
+    assert code == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("afore_attention_pingpong_steps_total"))
+
+
+def test_a1f2_batched_request_token_identical_and_not_split(a1f2, batched_want):
+    """All prompts in one request (one batch, the same on both servers) with one microbatch."""
+    assert_same_generation(a1f2.batched(), batched_want)
+    assert _pingpong_steps(a1f2) == 0
 
 
 def test_a1f2_unknown_policy_rejected(a1f2):
@@ -205,3 +226,15 @@ def test_a2f2_every_policy_token_identical(a2f2, want, policy):
 def test_a2f2_32_concurrent_requests_complete(a2f2, want):
     _concurrent(a2f2)
     assert_same_generation(a2f2.greedy(), want)
+
+
+def test_a2f2_pingpong_batched_token_identical(a2f2, batched_want, want):
+    """Decode steps of two requests per rank run as two ping-pong microbatches: the attention of
+    one while the FFN pool computes the other; the output is plain vLLM's."""
+    before = _pingpong_steps(a2f2)
+    assert_same_generation(a2f2.batched(), batched_want)
+    assert _pingpong_steps(a2f2) >= before + 8  # 12 tokens: the decode steps after the prefill were split
+    code, text = http("GET", a2f2.url + "/metrics", timeout=10)
+    # targets posted while another microbatch computed: the overlap is measured, not assumed
+    assert _metric(text, "afore_attention_overlap_seconds_sum") > 0
+    assert_same_generation(a2f2.greedy(), want)  # one request: steps are not split
