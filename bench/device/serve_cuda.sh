@@ -21,7 +21,8 @@ source bench/device/stage.sh || exit 1
 # brings back at most 8 files); the three markdown reports are also copied to $OUT
 FINAL=$OUT; OUT=$OUT/serve; mkdir -p "$OUT"
 LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-48}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LAYERS
-# one afore server per variant: a transport, "+exact" for --exact, "+nopace" for copies at full rate (no pacing kernels
+# one afore server per variant: a transport, "+m2" for --microbatches 2 (ping-pong: split decode steps run eagerly),
+# "+serial" for --no-pingpong, "+eager" for --enforce-eager, "+exact" for --exact, "+nopace" for copies at full rate (no pacing kernels
 # on the FFN workers' side streams: with several processes on one GPU, a kernel of one process
 # waits for another's time slice)
 VARIANTS=${VARIANTS:-shm shm+nopace torch-gloo+nopace}
@@ -52,7 +53,10 @@ AFORE_STAGE_TRACE=/tmp/plain-stages python3 -m vllm.entrypoints.openai.api_serve
   "${common[@]}" "${memory[@]}" > "$OUT/plain-vllm.log" 2>&1 &
 pids=($!); servers="vllm=http://127.0.0.1:8100"; port=8000
 for v in $VARIANTS; do
-  t=${v%%+*}; extra=(); [ "$v" = "${v%+nopace}" ] || extra=(--copy-rate-gbps 0); [ "$v" = "${v%+exact}" ] || extra+=(--exact)
+  t=${v%%+*}; extra=()
+  case "$v" in *+nopace*) extra+=(--copy-rate-gbps 0) ;; esac; case "$v" in *+exact*) extra+=(--exact) ;; esac
+  case "$v" in *+m2*) extra+=(--microbatches 2) ;; esac; case "$v" in *+serial*) extra+=(--no-pingpong) ;; esac
+  case "$v" in *+eager*) extra+=(--enforce-eager) ;; esac
   rm -f /tmp/stages-$v.*
   AFORE_STAGE_TRACE=/tmp/stages-$v python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 \
     --ffn-workers $FFN --colocate --transport $t "${extra[@]}" --policy afore --host 127.0.0.1 --port $port --verbose \
