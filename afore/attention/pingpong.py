@@ -259,7 +259,15 @@ def install(count: int) -> None:
 
     def create_metadata_builders(self, *args, num_metadata_builders: int = 1, **kwargs):
         # one attention-metadata builder per microbatch (builders keep per-batch buffers)
-        return create(self, *args, num_metadata_builders=max(num_metadata_builders, count), **kwargs)
+        out = create(self, *args, num_metadata_builders=max(num_metadata_builders, count), **kwargs)
+        # vLLM's _build_attention_metadata (0.26 and 0.32) caches a build by (KV-cache spec, builder
+        # type), not by microbatch, and reuses it through update_block_table: microbatch 1 would
+        # get microbatch 0's query_start_loc and seq_lens with its own block table (FlashAttention:
+        # "batch_size must be equal to batch_size_k" when the sizes differ, wrong attention when
+        # they agree; seen on the H200). The builders of microbatches >= 1 build their own.
+        for builder in self.metadata_builders[1:]:
+            builder.supports_update_block_table = False
+        return out
 
     wutils.AttentionGroup.create_metadata_builders = create_metadata_builders
 
