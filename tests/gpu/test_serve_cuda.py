@@ -204,11 +204,15 @@ PINGPONG_CASES = [c for c in CASES if "+m2" in c[3]]
     reason="no +m2 transport in GPU_TRANSPORTS"))])
 def test_pingpong_batched_token_identical(servers, arch, dtype, mode, transport):
     """All PROMPTS in one request on both servers: afore's decode steps run as two ping-pong
-    microbatches (eager, on the GPU's one stream) and give plain vLLM's tokens; fp32 logprobs
-    within 1e-4 (the MoE sums in another order: 2.1e-5 measured in fp32 under graphs)."""
+    microbatches (eager, on the GPU's one stream) and give plain vLLM's tokens; fp32 logprobs no
+    further from plain vLLM's than the same server's unsplit requests are (2x, at least 1e-4: on
+    the H200 two microbatches differ from plain vLLM by 2.6e-3 in fp32 without ping-pong too,
+    bench/results/gpu_tests_h200_pingpong.jsonl)."""
     started, errors, _ = servers
     assert (arch, dtype, mode, transport) in started, "\n".join(errors)
     plain, afore = started[(arch, dtype, mode, transport)]
+    base = max(abs(a - b) for g, w in zip(afore.greedy(PROMPTS, 16), plain.greedy(PROMPTS, 16))
+               for a, b in zip(g["logprobs"], w["logprobs"]))  # one request at a time: not split
     want = plain.batched(PROMPTS, 16)
     before = _pingpong_steps(afore)
     got = afore.batched(PROMPTS, 16)
@@ -216,11 +220,11 @@ def test_pingpong_batched_token_identical(servers, arch, dtype, mode, transport)
     same = [g["ids"] == w["ids"] for g, w in zip(got, want)]
     worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["logprobs"], w["logprobs"]))
     _record({"arch": arch, "dtype": dtype, "mode": mode, "transport": transport, "policy": "static", "batched": True,
-             "identical": all(same), "max_logprob_diff": worst, "pingpong_steps": split})
+             "identical": all(same), "max_logprob_diff": worst, "unsplit_max_logprob_diff": base, "pingpong_steps": split})
     assert split >= 8, f"decode steps were not split: {split}"
     if dtype == "float32":  # bf16 without --exact sums the experts in another order: not identical (recorded)
         assert all(same), f"tokens differ: afore {[g['ids'] for g in got]} vllm {[w['ids'] for w in want]}"
-        assert worst <= 1e-4, worst
+        assert worst <= max(2 * base, 1e-4), (worst, base)
 
 
 def test_killed_ffn_worker_fails_fast_and_afore_serve_exits_nonzero(servers):
