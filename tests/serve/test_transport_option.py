@@ -125,3 +125,25 @@ def test_exact_on_cpu_warns_outside_float32():
     assert exact_caveat(opts, "float32") is None
     assert exact_caveat(ServeOptions(exact=True, transport="shm", device="cuda"), "bfloat16") is None
     assert exact_caveat(ServeOptions(transport="shm"), "bfloat16") is None
+
+
+@pytest.mark.parametrize("argv,pingpong", [([], True), (["--no-pingpong"], False)])
+def test_pingpong_option_reaches_the_attention_side(started, argv, pingpong):
+    """``--microbatches 2`` runs ping-pong microbatches unless ``--no-pingpong``: the attention
+    workers' AFORE_CONFIG carries the choice (the plugin installs the split from it)."""
+    from afore.cli import build_parser
+    from afore.serve.cli import options_from_args
+    import afore.serve.launcher as launcher_mod
+
+    opts = options_from_args(build_parser().parse_args(["serve", "--microbatches", "2", "--transport", "shm",
+                                                        "--store-port", "29600", *argv]))
+    assert opts.microbatches == 2 and opts.pingpong is pingpong
+    launcher = launcher_mod.Launcher(opts)
+    launcher.model = tiny("qwen3_moe")
+    launcher.spec, launcher.config = read_serving_spec(launcher.model)
+    launcher.backend = "gloo"
+    launcher.dtype = "float32"
+    launcher.start_ffn_workers()
+    launcher.start_server()
+    role = json.loads(started[-1][1][CONFIG_ENV])
+    assert role["microbatches"] == 2 and role["pingpong"] is pingpong
