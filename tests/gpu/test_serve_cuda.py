@@ -205,9 +205,10 @@ PINGPONG_CASES = [c for c in CASES if "+m2" in c[3]]
 def test_pingpong_batched_token_identical(servers, arch, dtype, mode, transport):
     """All PROMPTS in one request on both servers: afore's decode steps run as two ping-pong
     microbatches (eager, on the GPU's one stream) and give plain vLLM's tokens; fp32 logprobs no
-    further from plain vLLM's than the same server's unsplit requests are (2x, at least 1e-4: on
-    the H200 two microbatches differ from plain vLLM by 2.6e-3 in fp32 without ping-pong too,
-    bench/results/gpu_tests_h200_pingpong.jsonl)."""
+    further from plain vLLM's than the same server's unsplit requests are (2x, at least 1e-4:
+    without --exact afore differs from plain vLLM by 2.6e-3 in fp32 on the H200 with one
+    microbatch too, bench/results/gpu_tests_h200_exact.jsonl: the experts are summed in another
+    order than vLLM's fused kernel; --exact needs one microbatch)."""
     started, errors, _ = servers
     assert (arch, dtype, mode, transport) in started, "\n".join(errors)
     plain, afore = started[(arch, dtype, mode, transport)]
