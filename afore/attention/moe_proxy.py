@@ -303,9 +303,16 @@ class RemoteRoutedExperts(_RoutedExperts):
         part, f2a = link.recv(seq, x.shape[0], x.shape[1], x.dtype)
         out.copy_(part.to(device=x.device, dtype=x.dtype))
         done = time.perf_counter_ns()
-        prev = state.prev_exit_ns.get(m, 0)
+        # the compute before this call on this microbatch's thread: since its previous call ended
+        # (it holds the baton from its reply to its next post); before the first MoE layer,
+        # microbatch 0 since the previous step's last exchange (the step's work outside the
+        # forward is there, as in a serial step), the others since they first got the baton
+        if self.moe_position > 0:
+            prev = state.prev_exit_ns.get(m, clock.prev_exit_ns)
+        else:
+            prev = clock.prev_exit_ns if m == 0 else pingpong.woke_ns()
         clock.record((state.step, self.moe_position, m, x.shape[0], prev, enter, demand, sent, start, done, a2f, f2a, seq))
-        state.prev_exit_ns[m] = time.perf_counter_ns()
+        state.prev_exit_ns[m] = clock.prev_exit_ns = time.perf_counter_ns()
 
 
 REMOTE_EXPERTS_OP = "afore::remote_experts"

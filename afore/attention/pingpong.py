@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,12 @@ def current() -> int | None:
     return getattr(_local, "microbatch", None)
 
 
+def woke_ns() -> int:
+    """``time.perf_counter_ns()`` when the calling microbatch thread first got the baton this step
+    (its compute before the first MoE layer starts there; 0 outside a ping-pong step)."""
+    return getattr(_local, "woke_ns", 0)
+
+
 def yield_() -> None:
     """Called by the exchange after posting its target: let the next microbatch run; back here,
     this microbatch's forward context is the current one again."""
@@ -146,6 +153,7 @@ def _run_one(index: int, fn, baton: Baton, enter) -> Any:
     try:
         with torch.inference_mode():
             baton.wait_turn(index)
+            _local.woke_ns = time.perf_counter_ns()
             enter()
             result = fn()
     except BaseException as exc:  # noqa: BLE001 - handed to the caller through the baton

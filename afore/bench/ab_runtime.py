@@ -248,8 +248,12 @@ def wait_admin(admin_url: str, timeout_s: float, proc: subprocess.Popen) -> None
 
 
 def serve_policies(model: str, policies: tuple[str, ...], requests: int, concurrency: int, output_len: int,
-                   work_dir: Path, seed: int) -> dict:
-    """Start ``afore serve`` once, run the load once per policy; returns the windows, metrics and trace path."""
+                   work_dir: Path, seed: int, mode: str = "serial") -> dict:
+    """Start ``afore serve`` once, run the load once per policy; returns the windows, metrics and trace path.
+    ``mode``: serial (``--no-pingpong``: a layer's two microbatches posted, then both awaited) or
+    pingpong (the runtime's ping-pong microbatches, afore.attention.pingpong)."""
+    if mode not in ("serial", "pingpong"):
+        raise ValueError(f"mode: expected serial or pingpong, got {mode!r}")
     from afore.bench.serve import Prompt, run_load, set_policy, stop_server, wait_ready
     from afore.ports import free_port
 
@@ -262,7 +266,7 @@ def serve_policies(model: str, policies: tuple[str, ...], requests: int, concurr
     url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
     command = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--dtype", "float32", "--max-model-len", "512",
                "--transport", "shm", "--microbatches", "2", "--colocate", "--policy", policies[0], "--port", str(port),
-               "--admin-port", str(admin)]
+               "--admin-port", str(admin), *(["--no-pingpong"] if mode == "serial" else [])]
     log_path = work_dir / "serve.log"
     log = open(log_path, "ab")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -301,7 +305,8 @@ def serve_policies(model: str, policies: tuple[str, ...], requests: int, concurr
         stop_server(proc)
         log.close()
     out = {"command": command, "trace": str(trace), "log": str(log_path), "runs": runs,
-           "settings": {"requests": requests, "concurrency": concurrency, "output_len": output_len, "seed": seed}}
+           "settings": {"requests": requests, "concurrency": concurrency, "output_len": output_len, "seed": seed,
+                        "mode": mode}}
     (work_dir / "run.json").write_text(json.dumps(out, indent=1))  # --reuse-run analyses it again without serving
     return out
 
@@ -331,7 +336,8 @@ def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, 
     Returns {"steps": int[S], "attention_ms": float[S, L] (compute before each MoE layer call;
     layer 0: since the previous step's last MoE layer ended), "step_ms": float[S],
     "exchange_ms": float[S, L] (layer call enter -> exit), "demand_emit_ms", "a2f_post_ms",
-    "f2a_wait_ms": float[S, L, M], "tokens": int[S, L, M]}."""
+    "f2a_wait_ms": float[S, L, M], "tokens": int[S, L, M], "attention_target_ms": float[S, L, M]
+    (each target's own compute before its call: a ping-pong microbatch's, on its thread)}."""
     from afore.attention.stages import COLUMNS
 
     col = {c: i for i, c in enumerate(COLUMNS)}
@@ -346,7 +352,8 @@ def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, 
     S, L, M = len(keep), num_layers, microbatches
     out = {"steps": np.array(keep, np.int64), "attention_ms": np.zeros((S, L)), "step_ms": np.zeros(S),
            "exchange_ms": np.zeros((S, L)), "demand_emit_ms": np.zeros((S, L, M)), "a2f_post_ms": np.zeros((S, L, M)),
-           "f2a_wait_ms": np.zeros((S, L, M)), "tokens": np.zeros((S, L, M), np.int64)}
+           "f2a_wait_ms": np.zeros((S, L, M)), "tokens": np.zeros((S, L, M), np.int64),
+           "attention_target_ms": np.zeros((S, L, M))}
     for i, s in enumerate(keep):
         cur, nxt = full[s], full[s + 1]
         out["step_ms"][i] = (nxt[(0, 0)][col["prev_exit_ns"]] - cur[(0, 0)][col["prev_exit_ns"]]) / 1e6
@@ -365,6 +372,7 @@ def decode_steps(data: np.ndarray, window_ns: tuple[int, int], num_layers: int, 
                     out["a2f_post_ms"][i, l, b], out["demand_emit_ms"][i, l, b] = (sent - prev) / 1e6, (demand - sent) / 1e6
                 out["f2a_wait_ms"][i, l, b] = (r[col["done_ns"]] - r[col["recv_start_ns"]]) / 1e6
                 out["tokens"][i, l, b] = r[col["tokens"]]
+                out["attention_target_ms"][i, l, b] = (r[col["enter_ns"]] - r[col["prev_exit_ns"]]) / 1e6
                 prev = max(demand, sent)
     return out
 
@@ -481,13 +489,15 @@ def stage_means(table: dict | None) -> dict:
 
 
 def simulate_steps(steps: dict, costs: StageCosts, compute_ms: float, policy: str, microbatches: int,
-                   copies_per_target: float = 0.0, bytes_per_expert: float = 0.0) -> dict:
+                   copies_per_target: float = 0.0, bytes_per_expert: float = 0.0, mode: str = "serial") -> dict:
     """The stage model over the measured steps of one policy: the measured attention compute goes
     in; the step time, the exchange per layer call and the FFN-side figures come out (ms).
 
     Steps are simulated one at a time (a step starts with its measured attention compute, so a
     gap between two measured steps never carries over); copies: ``copies_per_target`` (the run's
-    measured mean into the busiest worker) spread evenly over the targets."""
+    measured mean into the busiest worker) spread evenly over the targets. ``mode`` pingpong: every
+    target's own measured compute goes in (``attention_target_ms``), the step drains at its end
+    (``step_barrier``: vLLM samples the whole batch before the next step)."""
     attn = steps["attention_ms"]
     S, L = attn.shape
     M = microbatches
@@ -496,8 +506,13 @@ def simulate_steps(steps: dict, costs: StageCosts, compute_ms: float, policy: st
     for i in range(S):
         idx = np.arange(n) + i * n
         copies = (np.floor((idx + 1) * copies_per_target) - np.floor(idx * copies_per_target)).astype(np.int64)
-        tl = simulate_runtime("serial", attn[i:i + 1], np.full(n, compute_ms), L, M, costs, costs.schedule_for(policy),
-                              copies=copies, bytes_per_expert=bytes_per_expert)
+        if mode == "pingpong":
+            tl = simulate_runtime("pingpong", steps["attention_target_ms"][i].reshape(-1), np.full(n, compute_ms), L, M,
+                                  costs, costs.schedule_for(policy), copies=copies, bytes_per_expert=bytes_per_expert,
+                                  step_barrier=True)
+        else:
+            tl = simulate_runtime("serial", attn[i:i + 1], np.full(n, compute_ms), L, M, costs, costs.schedule_for(policy),
+                                  copies=copies, bytes_per_expert=bytes_per_expert)
         sim_step[i] = tl.step_ms[0]
         sim_exchange[i] = tl.exchange_ms
         wait.append(tl.plan_wait)
@@ -691,8 +706,10 @@ def _calibration_from_traces(serve: dict, steps: dict[str, dict], micro: dict, m
 
 
 def compare(serve: dict, steps: dict[str, dict], costs: StageCosts, cal_doc: dict, microbatches: int) -> dict:
-    """Per policy: measured and simulated step time, exchange per layer call, FFN-side figures."""
+    """Per policy: measured and simulated step time, exchange per layer call (serial mode only:
+    a ping-pong layer call stays open while the other microbatch computes), FFN-side figures."""
     compute = float(cal_doc["ffn_compute"]["intercept_ms"])
+    mode = serve["settings"].get("mode", "serial")
     out = {}
     for policy, st in steps.items():
         rt = serve["runs"][policy]["runtime"]
@@ -701,7 +718,8 @@ def compare(serve: dict, steps: dict[str, dict], costs: StageCosts, cal_doc: dic
         targets = max(rt["ffn_targets"], 1.0)
         copies_per_target = rt["copies_all_workers"] / targets / 2  # two workers; the busiest gets about half or more
         sim = simulate_steps(st, costs, compute, policy, microbatches, copies_per_target,
-                             float(cal_doc["model"]["bytes_per_expert"]))
+                             float(cal_doc["model"]["bytes_per_expert"]), mode=mode)
+        serial = mode == "serial"
         meas, simd = st["step_ms"], sim["step_ms"]
         out[policy] = {
             "steps": int(meas.size),
@@ -718,12 +736,12 @@ def compare(serve: dict, steps: dict[str, dict], costs: StageCosts, cal_doc: dic
                          "tokens_per_microbatch": float(st["tokens"].mean())},
             "simulated": {"step_ms_mean": float(simd.mean()), "step_ms_p50": float(np.median(simd)),
                           "step_ms_p95": float(np.percentile(simd, 95)),
-                          "exchange_ms_per_layer": float(sim["exchange_ms"].mean()),
+                          "exchange_ms_per_layer": float(sim["exchange_ms"].mean()) if serial else None,
                           "ffn_stage_ms": sim["ffn_stage_ms_mean"], "queue_ms": sim["queue_ms_mean"],
                           "plan_wait_ms": sim["plan_wait_ms_mean"], "missed_share": sim["missed_share"],
                           "exposed_ms_mean": sim["exposed_ms_mean"]},
             "step_error": float(simd.mean() / meas.mean() - 1),
-            "exchange_error": float(sim["exchange_ms"].mean() / st["exchange_ms"].mean() - 1),
+            "exchange_error": float(sim["exchange_ms"].mean() / st["exchange_ms"].mean() - 1) if serial else None,
             "step_ms_measured": meas.tolist(), "step_ms_simulated": simd.tolist(),
         }
     return out
@@ -751,12 +769,19 @@ def run_cpu_runtime(args) -> int:
     info = _model_info(model)
     out_dir = Path(args.out_dir) if args.out_dir else Path(__file__).resolve().parents[2] / "bench" / "results"
     started, load0 = _now(), os.getloadavg()[0]
-    work_dir = out_dir / "tmp" / ("ab_cpu_calibration" if args.write_calibration else "ab_cpu_runtime")
+    mode = getattr(args, "mode", "serial")
+    if args.write_calibration and mode != "serial":
+        print("afore bench ab --engine cpu-runtime: --write-calibration measures the serial runtime (--mode serial)",
+              file=sys.stderr)
+        return 2
+    work_dir = out_dir / "tmp" / ("ab_cpu_calibration" if args.write_calibration
+                                  else "ab_cpu_runtime" + ("" if mode == "serial" else "_pingpong"))
     if args.reuse_run and (work_dir / "run.json").is_file():
         serve = json.loads((work_dir / "run.json").read_text())
         print(f"afore bench ab --engine cpu-runtime: analysing the earlier run in {work_dir} again (--reuse-run)", file=sys.stderr)
     else:
-        serve = serve_policies(model, policies, args.requests, args.concurrency, args.output_len, work_dir, args.seed)
+        serve = serve_policies(model, policies, args.requests, args.concurrency, args.output_len, work_dir, args.seed,
+                               mode=getattr(args, "mode", "serial"))
     steps = _all_steps(serve, info["moe_layers"], 2)
     tables = {p: stage_table(serve["trace"], tuple(r["window_ns"])) for p, r in serve["runs"].items()}
     if args.write_calibration:
@@ -795,13 +820,14 @@ def run_cpu_runtime(args) -> int:
                             "stages": cal_doc["stages"], "ffn_compute": cal_doc["ffn_compute"], "sources": cal_doc["sources"]},
             "measured": "step times, exchange, F2A wait and attention compute from the attention worker's stage trace "
                         "(AFORE_STAGE_TRACE); FFN stage, plans, copies, exposed wait, demand->plan from the runtime's /metrics",
-            "simulated": "pipeline_sim.simulate_runtime, serial mode, the measured attention compute of each step as input, "
-                         "every other stage from the calibration file",
+            "simulated": (f"pipeline_sim.simulate_runtime, {serve['settings'].get('mode', 'serial')} mode, the measured "
+                          "attention compute of each step (pingpong: of each target, on its microbatch's thread; the "
+                          "step drains at its end) as input, every other stage from the calibration file"),
             "target_step_error": 0.10, "policies": rows,
             "own_stages": {"stages": own_doc["stages"], "ffn_compute": own_doc["ffn_compute"], "sources": own_doc["sources"]},
             "runs": {p: {"load": r["load"], "runtime": r["runtime"], "load_average_1min": r.get("load_average_1min")}
                      for p, r in serve["runs"].items()}}
-    name = args.name or "ab_cpu_runtime"
+    name = args.name or ("ab_cpu_runtime" if mode == "serial" else "ab_cpu_runtime_pingpong")
     paths = write_report(name, data, render_markdown(data), render_figure(data), out_dir=out_dir)
     print(render_markdown(data))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -820,8 +846,13 @@ def render_markdown(data: dict) -> str:
              f"{data['hardware']['load_average_1min_start']:.1f} at the start, {data['hardware']['load_average_1min']:.1f} at the end "
              "(other jobs share these cores). Date: " + data["date_utc"] + ".", "",
              f"Runtime (measured): `{' '.join(data['serve']['command'][2:])}`: tiny Qwen3-MoE ({m['experts']} experts, top-{m['top_k']}, "
-             f"H = {m['hidden']}, {m['moe_layers']} MoE layers, float32), A = 1, F = 2, shm transport, 2 microbatches, the serial "
-             f"data plane (the attention worker posts a layer's microbatches and waits for all replies); load: vLLM's serving "
+             f"H = {m['hidden']}, {m['moe_layers']} MoE layers, float32), A = 1, F = 2, shm transport, 2 microbatches, "
+             + ("the serial data plane (the attention worker posts a layer's microbatches and waits for all replies)"
+                if s.get("mode", "serial") == "serial" else
+                "ping-pong microbatches (a decode step of >= 2 requests runs as two microbatches, microbatch b+1's attention "
+                "while the FFN pool computes b; the exchange columns are not simulated there: a layer call stays open while "
+                "the other microbatch computes)")
+             + f"; load: vLLM's serving "
              f"client, {s['requests']} requests of 64 random tokens -> {s['output_len']} tokens at concurrency {s['concurrency']} "
              "per policy, switched through the admin endpoint in one server.", "",
              f"Calibration (simulated side): `{cal['path']}`, written {cal['date_utc']} by `{cal['command']}` from a separate run. "
@@ -848,8 +879,8 @@ def render_markdown(data: dict) -> str:
                      f"{si['step_ms_mean']:.2f} | {100 * r['step_error']:+.1f}% | {so['step_ms_mean']:.2f} | "
                      f"{100 * r['step_error_own_stages']:+.1f}% | {100 * r['step_error_window_stages']:+.1f}% | "
                      f"{me['step_ms_p50']:.2f} | {si['step_ms_p50']:.2f} / "
-                     f"{so['step_ms_p50']:.2f} | {me['exchange_ms_per_layer']:.2f} | {si['exchange_ms_per_layer']:.2f} / "
-                     f"{so['exchange_ms_per_layer']:.2f} | {me['attention_ms_per_step']:.2f} | {me['f2a_wait_ms_per_target']:.2f} |")
+                     f"{so['step_ms_p50']:.2f} | {me['exchange_ms_per_layer']:.2f} | {_f(si['exchange_ms_per_layer'], 2)} / "
+                     f"{_f(so['exchange_ms_per_layer'], 2)} | {me['attention_ms_per_step']:.2f} | {me['f2a_wait_ms_per_target']:.2f} |")
     lines += ["", "FFN side per policy:", "",
               "| policy | FFN stage ms (measured) | FFN stage ms (simulated) | demand -> plan ms (measured) | plan wait ms "
               "(simulated) | plans used / missed (measured) | missed share (simulated) | copies (measured, all workers) | "

@@ -453,7 +453,7 @@ class RuntimeTimeline:
 def simulate_runtime(mode: str, attention_ms: np.ndarray, compute_ms: np.ndarray, num_layers: int, num_microbatches: int,
                      costs: StageCosts, schedule_ms: float, copies: np.ndarray | None = None,
                      bytes_per_expert: float = 0.0, blocking: np.ndarray | None = None,
-                     primary_compute_ms: np.ndarray | None = None) -> RuntimeTimeline:
+                     primary_compute_ms: np.ndarray | None = None, step_barrier: bool = False) -> RuntimeTimeline:
     """Run the data plane's stage model over N = S * L * M targets.
 
     Args:
@@ -471,6 +471,9 @@ def simulate_runtime(mode: str, attention_ms: np.ndarray, compute_ms: np.ndarray
         (HarMoEny-style and no-overlap policies), else overlapped with the previous target;
         primary_compute_ms: float[N] compute on the primary-only plan (a missed plan), default
         compute_ms.
+      step_barrier: pingpong only: a step's first target waits for every reply of the previous
+        step (the runtime: vLLM samples the whole batch before the next step starts, so the
+        pipeline drains at every step), not only for its own microbatch's.
 
     The FFN workers run targets one at a time in order (all F together: they agree on each
     plan, the slowest one ends the stage). For target t a worker takes the plan read ahead while
@@ -606,14 +609,17 @@ def simulate_runtime(mode: str, attention_ms: np.ndarray, compute_ms: np.ndarray
             step_end[s] = clock
     else:
         a_clock = 0.0
+        per_step = L * M
         for t in range(n):
-            if t >= M:
+            if step_barrier and t >= per_step and t % per_step == 0:
+                ffn_until(t - 1)
+                a_clock = max(a_clock, float(reply[t - M:t].max())) + c.f2a_read_ms
+            elif t >= M:
                 ffn_until(t - M)
                 a_clock = max(a_clock, reply[t - M]) + c.f2a_read_ms
             a_clock = post(t, a_clock + attn[t])
         ffn_until(n - 1)
         # a step ends when its last microbatch's reply has been read
-        per_step = L * M
         for s in range(steps):
             step_end[s] = max(reply[s * per_step + per_step - M:(s + 1) * per_step]) + c.f2a_read_ms
         step_end = np.maximum.accumulate(step_end)

@@ -205,3 +205,55 @@ def test_vote_after_compute_keeps_the_stage_and_moves_the_read_ahead_earlier():
                           bytes_per_expert=1e6)
     assert tl.window[1] == pytest.approx(3.15 - 1.1)  # mb1 commits right after being taken up at 3.15
     assert tl.ffn_end == pytest.approx([3.15, 5.2])
+
+
+def test_pingpong_step_barrier_drains_the_pipeline_between_steps():
+    """With the barrier a step's first microbatch starts only after the previous step's last
+    replies (the runtime samples the whole batch first): slower than the free-running pipeline,
+    still faster than serial when the stages balance, and by hand for free stages."""
+    costs = StageCosts(plan_decode_ms=0.0, agreement_ms=0.0, ffn_fixed_ms=0.0, f2a_read_ms=0.0, a2f_latency_ms=0.0,
+                       f2a_latency_ms=0.0, demand_emit_ms=0.0, a2f_post_ms=0.0)
+    L, M, S = 2, 2, 4
+    attn, ffn = np.full(S * L * M, 1.0), np.full(S * L * M, 1.0)
+    free = simulate_runtime("pingpong", attn, ffn, L, M, costs, 0.0)
+    barrier = simulate_runtime("pingpong", attn, ffn, L, M, costs, 0.0, step_barrier=True)
+    serial = simulate_runtime("serial", np.full((S, L), 2.0), ffn, L, M, costs, 0.0)
+    # a step with the barrier: attention a0 [0,1], a1 [1,2], f0 [1,2], f1 [2,3], a0' [2,3], f0' [3,4],
+    # a1' [3,4], f1' [4,5]: 5 ms; the next starts at 5
+    assert barrier.step_ms[0] == pytest.approx(5.0) and barrier.step_ms[1:] == pytest.approx(np.full(S - 1, 5.0))
+    assert free.step_ms[1:].mean() < barrier.step_ms[1:].mean() < serial.step_ms[1:].mean()
+
+
+def test_decode_steps_and_the_pingpong_model_from_a_pingpong_trace():
+    """A ping-pong trace (as RemoteRoutedExperts.pingpong_forward records it: each microbatch's
+    compute since its own previous call, microbatch 1's first since it got the baton): the
+    per-target attention comes out as recorded, and the ping-pong stage model with free
+    transport and the measured FFN time reproduces the measured step."""
+    from afore.bench.ab_runtime import simulate_steps
+
+    L, M, attn, ffn = 2, 2, 1.0, 1.0
+    rows, t = [], 0.0
+    for step in (3, 4, 5):
+        # the two-stage pipeline with a drained step: a0 [t, t+1] f0 [t+1, t+2]; a1 [t+1, t+2] f1 [t+2, t+3];
+        # layer 1: a0 [t+2, t+3] f0 [t+3, t+4], a1 [t+3, t+4] f1 [t+4, t+5]
+        times = {}
+        for layer in range(L):
+            for mb in range(M):
+                enter = t + 2 * layer + mb + attn
+                prev = (t if mb == 0 else t + 1.0) if layer == 0 else times[(layer - 1, mb)]
+                done = enter + ffn
+                times[(layer, mb)] = done
+                rows.append([step, layer, mb, 2, prev, enter, enter, enter, enter, done, 100, 200])
+        t = times[(L - 1, M - 1)]
+    data = np.array([[int(round(v * 1e6)) if 4 <= i < 10 else v for i, v in enumerate(r)] for r in rows], np.int64)
+    out = decode_steps(data, (0, 10**12), L, M)
+    assert out["steps"].tolist() == [3, 4]
+    assert out["attention_target_ms"] == pytest.approx(np.full((2, L, M), attn))
+    assert out["step_ms"] == pytest.approx([5.0, 5.0])
+    costs = StageCosts(plan_decode_ms=0.0, agreement_ms=0.0, ffn_fixed_ms=0.0, f2a_read_ms=0.0, a2f_latency_ms=0.0,
+                       f2a_latency_ms=0.0, demand_emit_ms=0.0, a2f_post_ms=0.0, schedule_ms={"static": 0.0})
+    sim = simulate_steps(out, costs, ffn, "static", M, mode="pingpong")
+    assert sim["step_ms"] == pytest.approx(out["step_ms"])
+    assert np.all(np.isnan(sim["exchange_ms"]))  # not modelled in ping-pong
+    serial = simulate_steps(out, costs, ffn, "static", M, mode="serial")
+    assert serial["step_ms"].mean() > sim["step_ms"].mean()
