@@ -915,8 +915,14 @@ def render_markdown(data: dict) -> str:
               f"{100 * worst_own:.1f}% ({'within' if worst_own <= target else 'outside'} it); (c) each window's own "
               f"{100 * worst_win:.1f}% ({'within' if worst_win <= target else 'outside'} it).", "",
               "Reading: the attention compute of every measured step is an input (it is vLLM's, not afore's); what the model "
-              "predicts is everything after it: the exchange of each MoE layer call (demand, A2F, the FFN stages of both "
-              "microbatches one after the other, F2A) and with it the step. The exchange columns isolate that part. Exposed "
+              "predicts is everything after it: "
+              + ("the exchange of each MoE layer call (demand, A2F, the FFN stages of both microbatches one after the other, "
+                 "F2A) and with it the step. The exchange columns isolate that part. "
+                 if s.get("mode", "serial") == "serial" else
+                 "each microbatch's demand, A2F, FFN stage and F2A while the other microbatch computes (its compute on its own "
+                 "thread is the input, target by target), the pipeline drained at the end of each step, and with it the step. "
+                 "The exchange per layer call is measured only (a call stays open while the other microbatch computes). ")
+              + "Exposed "
               "wait (measured) is averaged over the targets with copies that the FFN worker timed (afore_ffn_exposed_copy_wait_seconds "
               "observes planned targets); on CPU workers copies are synchronous (24.6 KB per tiny expert), so it is the copy "
               "itself, not an overlap miss. Tile loads do not separate the policies at this size (one tile per worker): the "
