@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipe-warmup", type=int, default=10, help="decode steps before measuring")
     g.add_argument("--pipe-dtype", choices=("bfloat16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on the CPU")
+    g.add_argument("--pipe-schedule", choices=("serial", "pingpong"), default="serial",
+                   help="serial: a layer's M targets posted, then all awaited; pingpong: the runtime's ping-pong order "
+                        "(microbatch b's next layer waits only for its own reply; the step drains at its end)")
+    g.add_argument("--pipe-attention-us", type=float, default=0.0,
+                   help="emulated attention compute before each target's post (us; a host sleep on the CPU, a GPU "
+                        "spin kernel on CUDA): with it above zero the FFN busy share measures the pipeline's bubble")
 
 
 def write_checkpoint(path: Path, hidden: int, experts: int, inter: int, top_k: int, layers: int, dtype: torch.dtype,
@@ -109,6 +115,10 @@ def measure(args: argparse.Namespace, device: torch.device, log=print) -> dict:
                         ("--pipe-steps", args.pipe_steps)):
         if value < 1:
             raise ValueError(f"{name}: expected >= 1, got {value}")
+    if getattr(args, "pipe_schedule", "serial") not in ("serial", "pingpong"):
+        raise ValueError(f"--pipe-schedule: expected serial or pingpong, got {args.pipe_schedule!r}")
+    if not float(getattr(args, "pipe_attention_us", 0.0)) >= 0:
+        raise ValueError(f"--pipe-attention-us: expected >= 0, got {args.pipe_attention_us}")
     work = Path(tempfile.mkdtemp(prefix="afore-pipeline-"))
     t0 = time.monotonic()
     try:
@@ -150,6 +160,25 @@ def _measure(args, device, log, work, t0, shape_name, dtype_name, dtype, tokens_
         log(f"{f} FFN workers up after {time.monotonic() - t0:.1f} s")
         gen = torch.Generator().manual_seed(args.seed)
         step, seq = 0, 0
+        schedule = getattr(args, "pipe_schedule", "serial")
+        attention_us = float(getattr(args, "pipe_attention_us", 0.0))
+        spin_cycles = 0
+        if device.type == "cuda" and attention_us > 0:  # torch.cuda._sleep spins for cycles: calibrate once
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(1_000_000)
+            b.record()
+            b.synchronize()
+            spin_cycles = int(1_000_000 * attention_us / 1e3 / max(a.elapsed_time(b), 1e-6))
+
+        def attention() -> None:
+            """The emulated attention of one microbatch before its post."""
+            if attention_us <= 0:
+                return
+            if device.type == "cuda":
+                torch.cuda._sleep(spin_cycles)
+            else:
+                time.sleep(attention_us / 1e6)
         for tokens in tokens_list:
             bounds = [tokens * b // m for b in range(m + 1)]
             inputs = []
@@ -164,20 +193,34 @@ def _measure(args, device, log, work, t0, shape_name, dtype_name, dtype, tokens_
                 if measured and first_seq is None:
                     first_seq, sent0, recv0 = seq, end.bytes_sent, end.bytes_received
                 step_start = time.perf_counter_ns()
+                pending: list = [None] * m  # ping-pong: each microbatch's target in flight
                 for layer in range(layers):
                     x, ids, w = inputs[(s * layers + layer) % len(inputs)]
                     start = time.perf_counter_ns()
                     handles = []
                     for b in range(m):
                         lo, hi = bounds[b], bounds[b + 1]
+                        if schedule == "pingpong" and pending[b] is not None:  # its previous layer's reply
+                            plo, phi, ph = pending[b]
+                            out[plo:phi] = end.recv(ph)
+                        attention()
                         handles.append((lo, hi, end.send(Target(step, layer, b), seq, x[lo:hi], ids[lo:hi], w[lo:hi])))
                         seq += 1
-                    for lo, hi, h in handles:
-                        out[lo:hi] = end.recv(h)
+                        pending[b] = handles[-1]
+                    if schedule == "serial":
+                        for lo, hi, h in handles:
+                            out[lo:hi] = end.recv(h)
+                        pending = [None] * m
                     if device.type == "cuda":
                         torch.cuda.current_stream(device).synchronize()
                     if measured:
                         layer_ns.append(time.perf_counter_ns() - start)
+                for b in range(m):  # ping-pong: the step drains (vLLM samples the whole batch)
+                    if pending[b] is not None:
+                        plo, phi, ph = pending[b]
+                        out[plo:phi] = end.recv(ph)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
                 if measured:
                     step_ns.append(time.perf_counter_ns() - step_start)
                 step += 1
@@ -205,6 +248,7 @@ def _measure(args, device, log, work, t0, shape_name, dtype_name, dtype, tokens_
     return {"shape": {"name": shape_name, "hidden": hidden, "experts": experts, "intermediate": inter, "top_k": top_k,
                       "layers": layers, "dtype": dtype_name},
             "ffn_workers": f, "microbatches": m, "steps": args.pipe_steps, "warmup": args.pipe_warmup,
+            "schedule": schedule, "attention_us": attention_us,
             "device": str(device), "results": results}
 
 
@@ -254,7 +298,10 @@ def markdown(r: dict, command: str) -> str:
              f"All figures measured. Shapes: {s['name']} (hidden {s['hidden']}, {s['experts']} experts of {s['intermediate']}, "
              f"top-{s['top_k']}), {s['layers']} MoE layers, {s['dtype']}; A = 1 attention end (this process, {r['device']}), "
              f"F = {r['ffn_workers']} FFN worker processes, shm transport, primary-only plans, M = {r['microbatches']} targets "
-             f"per layer call, {r['steps']} measured steps after {r['warmup']}.", "",
+             f"per layer call, {r['steps']} measured steps after {r['warmup']}; schedule {r.get('schedule', 'serial')}, "
+             f"emulated attention {r.get('attention_us', 0.0):.0f} us per target before its post "
+             f"({'a GPU spin kernel' if r['device'].startswith('cuda') else 'a host sleep: the attention runs elsewhere'}). "
+             "In ping-pong the layer time is from its first post to its last (the replies are awaited by the next layer).", "",
              "| tokens | layer p50 us | layer p99 us | step p50 ms | A2F B/layer | F2A B/layer | min rows B | FFN busy |",
              "|---|---|---|---|---|---|---|---|"]
     for x in r["results"]:
