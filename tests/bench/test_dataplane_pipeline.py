@@ -33,6 +33,7 @@ def test_pipeline_bench_moves_each_token_once_and_traces_every_stage(tmp_path, s
         for name in ("posted -> taken up", "plan read and checked", "compute (host, to rows back)", "vote", "reply publish"):
             assert stages[name] >= 0
         assert len(x["ffn"]["busy"]) == 2 and all(0 < v <= 1 for v in x["ffn"]["busy"])
+        assert all(0 < c <= v for c, v in zip(x["ffn"]["compute_busy"], x["ffn"]["busy"]))
         assert 0 < x["layer_us"]["p50"] <= x["layer_us"]["p99"]
     assert r["schedule"] == schedule
     if attention_us:  # every layer call holds at least its microbatches' emulated attention

@@ -265,10 +265,11 @@ FFN_STAGES = (  # name, from column, to column (the FFN trace, afore.ffn.stages)
 
 def ffn_stages(trace: Path, num_ffn: int, lo_seq: int, hi_seq: int) -> dict:
     """Median us of every FFN stage over targets [lo_seq, hi_seq), the GPU time of the compute,
-    and each worker's busy fraction (taken up -> published, over its first take-up to last publish)."""
+    and each worker's busy fraction (taken up -> published, over its first take-up to last publish;
+    ``compute_busy``: its expert compute alone over the same span)."""
     from afore.metrics.trace import read_trace
 
-    out = {"stages_us": {}, "busy": []}
+    out = {"stages_us": {}, "busy": [], "compute_busy": []}
     samples = {name: [] for name, _, _ in FFN_STAGES}
     device = []
     for rank in range(num_ffn):
@@ -283,6 +284,8 @@ def ffn_stages(trace: Path, num_ffn: int, lo_seq: int, hi_seq: int) -> dict:
         device.extend(r["device_ns"] for r in rows if r["device_ns"])
         span = max(r["published_ns"] for r in rows) - min(r["start_ns"] for r in rows)
         out["busy"].append(sum(r["published_ns"] - r["start_ns"] for r in rows) / max(1, span))
+        # the expert compute alone (no plan read, vote wait or publish) over the same span
+        out["compute_busy"].append(sum(r["computed_ns"] - r["plan_ns"] for r in rows if r["computed_ns"]) / max(1, span))
     for name, values in samples.items():
         if values:
             out["stages_us"][name] = _pct(values, 50) / 1e3
@@ -302,13 +305,14 @@ def markdown(r: dict, command: str) -> str:
              f"emulated attention {r.get('attention_us', 0.0):.0f} us per target before its post "
              f"({'a GPU spin kernel' if r['device'].startswith('cuda') else 'a host sleep: the attention runs elsewhere'}). "
              "In ping-pong the layer time is from its first post to its last (the replies are awaited by the next layer).", "",
-             "| tokens | layer p50 us | layer p99 us | step p50 ms | A2F B/layer | F2A B/layer | min rows B | FFN busy |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| tokens | layer p50 us | layer p99 us | step p50 ms | A2F B/layer | F2A B/layer | min rows B | FFN busy | FFN compute busy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for x in r["results"]:
         b = x["bytes_per_layer"]
         busy = ", ".join(f"{v:.0%}" for v in x["ffn"]["busy"])
+        cbusy = ", ".join(f"{v:.0%}" for v in x["ffn"].get("compute_busy", []))
         lines.append(f"| {x['tokens']} | {x['layer_us']['p50']:.0f} | {x['layer_us']['p99']:.0f} | {x['step_us']['p50'] / 1e3:.2f} | "
-                     f"{b['a2f']:.0f} | {b['f2a']:.0f} | {b['min_rows_each_way']} | {busy} |")
+                     f"{b['a2f']:.0f} | {b['f2a']:.0f} | {b['min_rows_each_way']} | {busy} | {cbusy or '-'} |")
     lines += ["", "FFN stages per target (medians over workers and targets, us):", "",
               "| tokens | " + " | ".join(n for n, _, _ in FFN_STAGES) + " | compute on the GPU |",
               "|---|" + "---|" * (len(FFN_STAGES) + 1)]
