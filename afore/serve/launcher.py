@@ -77,8 +77,12 @@ def default_microbatches(device: str) -> int:
     median ITL 25.7 ms with 1, 38.4 ms with 2 (bench/results/dataplane_transport_cpu.md); on one
     H200 (F = 1, Qwen3-30B-A3B shapes, 4 layers), 11.1 ms with 1 and 13.5 ms with 2
     (bench/results/serve_cuda_h200.md, run 3), and a 1-token decode step of the data plane alone
-    5.3 ms against 8.8 ms (dataplane_pipeline_h200_f1_m1.md against _f1_run2.md, one call)."""
-    del device  # the same on both until ping-pong overlaps a target's FFN with the next one's attention
+    5.3 ms against 8.8 ms (dataplane_pipeline_h200_f1_m1.md against _f1_run2.md, one call).
+    Ping-pong microbatches (2026-12-03) hide the FFN stage behind the other microbatch's attention
+    but do not change the choice: on the 2-core CPU 12.0 ms against 7.8 ms with one microbatch
+    (dataplane_transport_cpu.md), on one H200 18.7 ms (split steps run eagerly) against 12.1 ms
+    under CUDA graphs (serve_cuda_h200_s10_stages.md)."""
+    del device  # the same on both: ping-pong steps run eagerly, one microbatch keeps CUDA graphs
     return 1
 
 
