@@ -240,7 +240,7 @@ class _Install:
         self.count = count
         self.live = threading.local()
         self.pingpong: PingPong | None = None
-        self.steps = 0          # split steps run (tests read it)
+        self.steps = 0          # split steps run in this process (stats())
 
 
 _installed: _Install | None = None
@@ -270,9 +270,10 @@ def install(count: int) -> None:
         out = create(self, *args, num_metadata_builders=max(num_metadata_builders, count), **kwargs)
         # vLLM's _build_attention_metadata (0.26 and 0.32) caches a build by (KV-cache spec, builder
         # type), not by microbatch, and reuses it through update_block_table: microbatch 1 would
-        # get microbatch 0's query_start_loc and seq_lens with its own block table (FlashAttention:
-        # "batch_size must be equal to batch_size_k" when the sizes differ, wrong attention when
-        # they agree; seen on the H200). The builders of microbatches >= 1 build their own.
+        # get microbatch 0's query_start_loc and seq_lens with its own block table (FlashAttention
+        # on the H200 raised "batch_size must be equal to batch_size_k" at a 3 + 4 split; at equal
+        # sizes the reused build carries the other microbatch's seq_lens). The builders of
+        # microbatches >= 1 build their own.
         for builder in self.metadata_builders[1:]:
             builder.supports_update_block_table = False
         return out
