@@ -131,3 +131,17 @@ def test_stage_breakdown_takes_a_post_before_its_demand_in_that_order(tmp_path):
     att.flush()
     st = {k: v["median_us"] for k, v in stage_breakdown(tmp_path / "st", num_layers=1)["stages"].items()}
     assert st["A2F post (rows into shm, wake)"] == 40 and st["demand emit (count + mailbox put)"] == 10
+
+
+def test_figures_are_means_over_the_rounds_from_two_scrapes():
+    from afore.bench.dataplane.transport import _figure_means, _figures
+
+    before = {"afore_ffn_lookahead_window_seconds_sum": 0.010, "afore_ffn_lookahead_window_seconds_count": 10,
+              "afore_attention_overlap_seconds_sum": 0.0, "afore_attention_overlap_seconds_count": 0}
+    after = {"afore_ffn_lookahead_window_seconds_sum": 0.016, "afore_ffn_lookahead_window_seconds_count": 13,
+             "afore_attention_overlap_seconds_sum": 0.0, "afore_attention_overlap_seconds_count": 0}
+    means = _figure_means(before, after)
+    assert means["afore_ffn_lookahead_window_seconds"] == pytest.approx(2.0)  # 6 ms over 3 windows
+    assert means["afore_attention_overlap_seconds"] is None  # no sample in the rounds
+    assert means["afore_attention_f2a_wait_seconds"] is None
+    assert _figures("http://127.0.0.1:9") == {}  # nothing listens: plain vLLM's rows stay empty

@@ -185,14 +185,44 @@ def _serve_one(name: str, command: list[str], url: str, model: str, requests: in
         wait_ready(url, 900, proc)
         rng = np.random.default_rng(0)
         results = []
+        before = _figures(url)
         for r in range(rounds):
             # random 64-token prompts (vLLM's random data set style), 32 output tokens each
             prompts = [Prompt(" ".join(str(int(t)) for t in rng.integers(0, 1000, 64)), 32) for _ in range(requests)]
             results.append(asyncio.run(run_load(url, model, prompts, concurrency, True, 2, f"{name} round {r}")))
-        return {"command": command, "rounds": results}
+        after = _figures(url)
+        return {"command": command, "rounds": results, "figures": _figure_means(before, after)}
     finally:
         stop_server(proc)
         log.close()
+
+
+#: histogram families whose mean over the benchmark rounds the report shows (afore servers only)
+FIGURES = (("afore_ffn_lookahead_window_seconds", "lookahead window (copy submitted -> commit)"),
+           ("afore_attention_overlap_seconds", "attention work between a target's post and its wait"),
+           ("afore_attention_f2a_wait_seconds", "attention worker's wait for F2A"))
+
+
+def _figures(url: str) -> dict[str, float]:
+    """The _sum and _count of each FIGURES family on ``url``'s /metrics ({} for plain vLLM or an
+    unreachable server)."""
+    from afore.bench.ab_runtime import metric_sum, scrape_metrics
+
+    try:
+        samples = scrape_metrics(url)
+    except OSError:
+        return {}
+    return {f"{name}_{part}": metric_sum(samples, f"{name}_{part}") for name, _ in FIGURES for part in ("sum", "count")}
+
+
+def _figure_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean (ms) of each FIGURES family over the rounds, from two scrapes (None: no sample)."""
+    out = {}
+    for name, _ in FIGURES:
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        s = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        out[name] = 1e3 * s / n if n > 0 else None
+    return out
 
 
 def measure_serve(args, log_dir: Path) -> dict:
@@ -444,6 +474,14 @@ def markdown(r: dict) -> str:
             for i, rr in enumerate(s.get(name, {}).get("rounds", [])):
                 lines.append(f"| {name} | {i} | {rr['itl_ms']['p50']:.2f} | {rr['itl_ms']['p99']:.2f} | "
                              f"{rr['tpot_ms']['p50']:.2f} | {rr['output_throughput']:.0f} |")
+        names = [n for n in ("afore-shm", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo")
+                 if n in s and s[n].get("figures")]
+        if names:
+            lines += ["", "afore's own figures over the rounds (means of its Prometheus histograms, ms; measured):", "",
+                      "| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+            for fam, label in FIGURES:
+                cells = [s[n]["figures"].get(fam) for n in names]
+                lines.append(f"| {label} (`{fam}`) | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
         v = statistics.median(rr["itl_ms"]["p50"] for rr in s["vllm"]["rounds"])
         a = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm"]["rounds"])
         v99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["vllm"]["rounds"])
