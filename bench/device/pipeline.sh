@@ -15,11 +15,17 @@ TOKENS=${TOKENS:-1,8,64,256}
 tail -3 "$OUT/ffn_e2e_cuda.log" 2>/dev/null
 # FFNS: the FFN worker counts to run, one report each (F = 2: dataplane_pipeline_h200, else _f<F>)
 # MBS: targets per MoE call to run (M = 2: no suffix, else _m<M>)
-for f in ${FFNS:-2}; do for m in ${MBS:-2}; do
+# SCHEDULES: serial and/or pingpong (serial: no suffix, else _pingpong); ATTN_US: emulated attention per
+# target before its post (a GPU spin kernel; 0 = none; with it the FFN busy share measures the bubble)
+# (on one GPU the spin kernel time-slices with the FFN workers' kernels, separate CUDA contexts without MPS:
+# there it measures the contention, on 2 GPUs the overlap)
+for f in ${FFNS:-2}; do for m in ${MBS:-2}; do for sch in ${SCHEDULES:-serial}; do
   name=dataplane_pipeline_h200; [ "$f" = 2 ] || name=${name}_f$f; [ "$m" = 2 ] || name=${name}_m$m
+  [ "$sch" = serial ] || name=${name}_$sch
   timeout ${PIPE_TIMEOUT:-240} python3 -m afore.cli bench dataplane --part pipeline --device cuda --pipe-tokens $TOKENS \
-    --pipe-ffn $f --pipe-microbatches $m --pipe-steps ${STEPS:-100} --out-dir "$OUT" --name $name 2>&1 | grep "^T=\|up after"
-done; done
+    --pipe-ffn $f --pipe-microbatches $m --pipe-steps ${STEPS:-100} --pipe-schedule $sch \
+    --pipe-attention-us ${ATTN_US:-0} --out-dir "$OUT" --name $name 2>&1 | grep "^T=\|up after"
+done; done; done
 if [ -d .devcarry/before/afore ]; then
   cp afore/_*.so .devcarry/before/afore/ && cp afore/bench/dataplane/pipeline.py afore/bench/dataplane/__init__.py \
     .devcarry/before/afore/bench/dataplane/
