@@ -12,7 +12,7 @@ Then a killed FFN worker: the request fails fast, /health turns non-200, afore s
 non-zero within 10 s; after SIGTERM no process is left and the GPU memory is released.
 
 Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (eager,graphs),
-GPU_TRANSPORTS (shm+exact,shm; also torch-gloo; "+exact" adds ``--exact``, "+m2" ``--microbatches 2``:
+GPU_TRANSPORTS (shm+exact,shm,shm+m2; also torch-gloo; "+exact" adds ``--exact``, "+m2" ``--microbatches 2``:
 ping-pong microbatches, compared on batched requests).
 """
 
@@ -38,7 +38,7 @@ ARCHS = os.environ.get("GPU_ARCHS", "qwen3_moe").split(",")
 DTYPES = os.environ.get("GPU_DTYPES", "bfloat16,float32").split(",")
 MODES = os.environ.get("GPU_MODES", "eager,graphs").split(",")
 # a transport, "+exact" for ``--exact`` (vLLM's MoE numerics: bf16 token identity needs it)
-TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "shm+exact,shm").split(",")
+TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "shm+exact,shm,shm+m2").split(",")
 POLICIES = ("static", "eplb", "afore")
 RESULTS = os.environ.get("GPU_RESULTS", "")  # JSON lines of every comparison, for the report
 # each server gets a small fixed KV cache, so that all of them fit on one GPU at once
@@ -200,8 +200,7 @@ def _pingpong_steps(server) -> float:
 PINGPONG_CASES = [c for c in CASES if "+m2" in c[3]]
 
 
-@pytest.mark.parametrize("arch,dtype,mode,transport", PINGPONG_CASES or [pytest.param(*CASES[0], marks=pytest.mark.skip(
-    reason="no +m2 transport in GPU_TRANSPORTS"))])
+@pytest.mark.parametrize("arch,dtype,mode,transport", PINGPONG_CASES)
 def test_pingpong_batched_token_identical(servers, arch, dtype, mode, transport):
     """All PROMPTS in one request on both servers: afore's decode steps run as two ping-pong
     microbatches (eager, on the GPU's one stream) and give plain vLLM's tokens; fp32 logprobs no

@@ -89,6 +89,17 @@ def test_the_transport_listens_where_the_node_is_reached(monkeypatch, started):
     assert launcher.child_env()["NCCL_SOCKET_IFNAME"] == "ib0"
 
 
+def _start_on_tiny(launcher) -> None:
+    """Start ``launcher``'s FFN workers and vLLM server (recorded by ``started``) on the tiny
+    Qwen3-MoE, gloo, float32."""
+    launcher.model = tiny("qwen3_moe")
+    launcher.spec, launcher.config = read_serving_spec(launcher.model)
+    launcher.backend = "gloo"
+    launcher.dtype = "float32"
+    launcher.start_ffn_workers()
+    launcher.start_server()
+
+
 def test_exact_needs_shm_and_one_microbatch_and_reaches_both_sides(monkeypatch, started):
     """``--exact``: refused with a transport whose replies are per-token sums or with two
     microbatches (vLLM picks its kernels by the call's token count); otherwise the FFN workers,
@@ -103,13 +114,7 @@ def test_exact_needs_shm_and_one_microbatch_and_reaches_both_sides(monkeypatch, 
     assert options_from_args(build_parser().parse_args(["serve", "--exact", "--device", "cuda", "--transport", "shm"])).microbatches == 1
     import afore.serve.launcher as launcher_mod
 
-    launcher = launcher_mod.Launcher(ServeOptions(exact=True, transport="shm", store_port=29600))
-    launcher.model = tiny("qwen3_moe")
-    launcher.spec, launcher.config = read_serving_spec(launcher.model)
-    launcher.backend = "gloo"
-    launcher.dtype = "float32"
-    launcher.start_ffn_workers()
-    launcher.start_server()
+    _start_on_tiny(launcher_mod.Launcher(ServeOptions(exact=True, transport="shm", store_port=29600)))
     workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
     assert len(workers) == 2 and all(w["exact"] and w["shm_segment"] for w in workers)
     assert json.loads(started[-1][1][CONFIG_ENV])["exact"] is True
@@ -138,12 +143,6 @@ def test_pingpong_option_reaches_the_attention_side(started, argv, pingpong):
     opts = options_from_args(build_parser().parse_args(["serve", "--microbatches", "2", "--transport", "shm",
                                                         "--store-port", "29600", *argv]))
     assert opts.microbatches == 2 and opts.pingpong is pingpong
-    launcher = launcher_mod.Launcher(opts)
-    launcher.model = tiny("qwen3_moe")
-    launcher.spec, launcher.config = read_serving_spec(launcher.model)
-    launcher.backend = "gloo"
-    launcher.dtype = "float32"
-    launcher.start_ffn_workers()
-    launcher.start_server()
+    _start_on_tiny(launcher_mod.Launcher(opts))
     role = json.loads(started[-1][1][CONFIG_ENV])
     assert role["microbatches"] == 2 and role["pingpong"] is pingpong

@@ -499,23 +499,25 @@ def markdown(r: dict) -> str:
         if b.get("stages"):
             lines += [f"### Where a decode target's time goes (afore-shm run, {b['targets']} decode targets of attention "
                       f"worker 0, {b['ffn_workers']} FFN workers; AFORE_STAGE_TRACE of every process, one clock)", "",
-                      "| stage | median us | mean us | samples |", "|---|---|---|---|"]
-            for name, st in b["stages"].items():
-                lines.append(f"| {name} | {st['median_us']:.0f} | {st['mean_us']:.0f} | {st['n']} |")
+                      *_stage_rows(b["stages"])]
             lines += ["", "FFN stages are per worker (both workers' samples); the scheduler's run beside the A2F post "
                       "and the FFN workers' wake-up. A mean far above its median is preemption: more runnable "
                       "processes than cores.", ""]
         bp = s.get("breakdown_pingpong") or {}
         if bp.get("stages"):
             lines += [f"### The same with two ping-pong microbatches (afore-shm-m2 run, {bp['targets']} decode targets)", "",
-                      "| stage | median us | mean us | samples |", "|---|---|---|---|"]
-            for name, st in bp["stages"].items():
-                lines.append(f"| {name} | {st['median_us']:.0f} | {st['mean_us']:.0f} | {st['n']} |")
+                      *_stage_rows(bp["stages"])]
             lines += ["", "With ping-pong, 'FFN: A2F posted -> worker takes it up' includes the wait behind the other "
                       "microbatch's target (the FFN side is busy), and the attention worker's wait for F2A is what "
                       "the other microbatch's attention did not hide.", ""]
         lines += runner_markdown(s.get("runner") or {})
     return "\n".join(lines)
+
+
+def _stage_rows(stages: dict) -> list[str]:
+    """A ``stage_breakdown`` stage table in markdown (header included)."""
+    return ["| stage | median us | mean us | samples |", "|---|---|---|---|",
+            *(f"| {name} | {st['median_us']:.0f} | {st['mean_us']:.0f} | {st['n']} |" for name, st in stages.items())]
 
 
 RUNNER_ROWS = (("step", "decode step (execute_model to the next)"), ("forward", "model forward"),
