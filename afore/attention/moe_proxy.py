@@ -124,7 +124,8 @@ class ShmLink:
                            top_k=cfg.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth,
                            exact=cfg.exact)
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
-        self.end = ShmAttentionEnd(cfg.shm_segment, layout, worker, device, timeout_s=cfg.exchange_timeout_s)
+        self.end = ShmAttentionEnd(cfg.shm_segment, layout, worker, device, timeout_s=cfg.exchange_timeout_s,
+                                   spin_s=cfg.spin_us * 1e-6)
         self._pending: dict[int, object] = {}
 
     def send(self, seq, step, layer, microbatch, hidden, topk_ids, topk_weights) -> int:

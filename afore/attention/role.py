@@ -58,6 +58,7 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     exact: bool = False           # shm: replies per token-expert pair, summed as vLLM sums them (afore.ffn.exact)
     pingpong: bool = True         # microbatches >= 2: split decode steps into ping-pong microbatches
                                   # (afore.attention.pingpong); False: post all of a call's targets, then wait
+    spin_us: float = 0.0          # shm: busy-poll this long before blocking on the replies (afore serve --spin-us)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -94,6 +95,8 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError(f"depth: expected >= microbatches={self.microbatches} (every microbatch of a layer is in flight), got {self.depth}")
         if self.exchange_timeout_s <= 0:
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
+        if not self.spin_us >= 0:
+            raise ValueError(f"spin_us: expected microseconds >= 0, got {self.spin_us}")
 
     def to_env(self) -> dict[str, str]:
         return {ROLE_ENV: "attention", CONFIG_ENV: msgspec.json.encode(self).decode()}

@@ -10,7 +10,12 @@ the order a target meets them, each timed alone (``time.perf_counter_ns``, media
   ``sched_to_published``: from the step's start to its publish returned (what a worker waits for);
 - ``ffn_candidate``: ``FFNWorker._candidate`` per worker (ring read + decode, migrator.prepare,
   stage_plan, routed counts, commit_check) with the plan already published, so no waiting;
-- ``ffn_compute``: ``FFNWorker._compute`` (the expert compute on the host pool, for scale);
+- ``ffn_compute``: ``FFNWorker._compute`` (the expert compute: on the host pool, for scale; on
+  a GPU (``--device cuda``) the shm transport's host-routed step, and its parts ``ffn_route``
+  (``host_route``: eq. 11 on the host ids), ``ffn_gather`` (this worker's rows into pinned
+  memory) and ``ffn_device`` (from the gathered rows to the reply rows back in pinned memory:
+  the copies, the graph replay and the one synchronisation), with ``ffn_replay_gpu`` the
+  replay's GPU time alone (CUDA events));
 - ``ffn_metrics``: ``FFNMetrics.observe_target`` and the migration records (worker 0, which also
   records balance; serving runs them after the reply, off the critical path);
 - ``ffn_settle``: ``FFNWorker._settle`` after a passed vote.
@@ -34,6 +39,7 @@ import torch
 
 STAGES = ("demand_emit", "sched_step", "sched_to_published", "sched_policy", "sched_publish", "ffn_candidate", "ffn_compute",
           "ffn_metrics", "ffn_settle")
+GPU_STAGES = ("ffn_route", "ffn_gather", "ffn_device", "ffn_replay_gpu")
 
 
 class _NullConnector:
@@ -67,6 +73,9 @@ class _HostRows:
     def view_for(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.hidden
 
+    def gather_into(self, tokens: torch.Tensor, out: torch.Tensor) -> None:
+        torch.index_select(self.hidden, 0, tokens, out=out)
+
 
 def _timed(stats: dict, name: str, fn, *args):
     t0 = time.perf_counter_ns()
@@ -76,8 +85,12 @@ def _timed(stats: dict, name: str, fn, *args):
 
 
 def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5, warmup: int = 60,
-        seed: int = 0) -> dict[str, float]:
-    """Median us per target of every stage in ``STAGES`` over ``targets`` decode targets."""
+        seed: int = 0, experts: int = 0, top_k: int = 0, hidden: int = 0, intermediate: int = 0,
+        device: str = "cpu") -> dict[str, float]:
+    """Median us per target of every stage in ``STAGES`` over ``targets`` decode targets.
+    ``experts``, ``top_k``, ``hidden``, ``intermediate``: the tiny checkpoint's shape (0 = its
+    default; 128, 8, 2048, 768 for Qwen3-30B-A3B's experts). ``device``:
+    where the FFN workers' pools are ("cuda": bf16, the shm transport's host-routed step)."""
     from afore.attention.demand import DemandEmitter
     from afore.config import ClusterShape
     from afore.ffn.reference import random_routing
@@ -88,7 +101,10 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
     from afore.scheduler.service import SchedulerService, ServiceConfig
     from afore.transport.base import Microbatch
 
-    model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
+    overrides = {name: value for name, value in (("num_experts", experts), ("num_experts_per_tok", top_k),
+                                                 ("hidden_size", hidden), ("moe_intermediate_size", intermediate))
+                 if value}
+    model = str(build_tiny_checkpoint("qwen3_moe", seed=0, **overrides))
     spec = read_model_spec(model)
     shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=len(spec.moe_layer_indices),
                          redundant_slots=2, top_k=spec.top_k)
@@ -101,9 +117,28 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
         def _connect(self):
             return _NullConnector()
 
+    cuda = device == "cuda"
+    if cuda and num_ffn != 1:  # GPU workers open their peers' pools by CUDA IPC, which one process cannot
+        raise ValueError(f"num_ffn: expected 1 with device cuda (CUDA IPC between workers of one process), got {num_ffn}")
+    store = None
+    port = 29600
+    if cuda:  # the workers publish their pools' CUDA IPC handles in a TCPStore (afore serve hosts it)
+        import datetime
+        import socket
+
+        import torch.distributed as dist
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))
+    dtype = "bfloat16" if cuda else "float32"
     workers = [Worker(FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=1, model=model, plan_ring=cfg.ring,
-                                      shape=shape, timeout_s=10.0))
+                                      shape=shape, timeout_s=10.0, device=device, dtype=dtype, port=port))
                for r in range(num_ffn)]
+    if cuda:
+        _time_gpu_parts(stats)
     emitter = DemandEmitter(cfg.mailbox, shape.num_experts, 0)
     rng = np.random.default_rng(seed)
     stats: dict[str, list[int]] = {}
@@ -127,7 +162,7 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
                 stats.clear()
             target = Target.from_seq(seq, shape.num_layers, 1)
             ids, weights = random_routing(tokens, shape, rng, skew=skew)
-            hidden = torch.randn(tokens, spec.hidden_size)
+            hidden = torch.randn(tokens, spec.hidden_size, dtype=torch.bfloat16 if cuda else torch.float32)
             _timed(stats, "demand_emit", emitter.emit, target.step, target.layer, target.microbatch, seq, ids)
             step_start = time.perf_counter_ns()
             assert _timed(stats, "sched_step", service.step, 1.0) == 1
@@ -140,6 +175,8 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
                 plan = candidate if candidate is not None else worker._primary_only(mb)
                 used += candidate is not None
                 _timed(stats, "ffn_compute", worker._compute, layer, mb, plan)
+                if cuda:
+                    _gpu_rest(stats)
                 plan = _timed(stats, "ffn_settle", worker._settle, mb, candidate, candidate is not None)
                 def metrics(plan=plan, worker=worker):  # after the reply in FFNWorker.step
                     worker.metrics.observe_target(plan, 1e-3, 0)
@@ -152,14 +189,58 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
         for worker in workers:
             worker.close()
         service.close()
-    out = {name: float(np.median(stats[name])) / 1e3 for name in STAGES}
+        if store is not None:
+            del store
+    out = {name: float(np.median(stats[name])) / 1e3 for name in STAGES + (GPU_STAGES if cuda else ())}
     out["plans_used_share"] = used / (len(workers) * (targets + warmup))
     return out
 
 
+def _time_gpu_parts(stats: dict) -> None:
+    """Time the parts of the host-routed GPU step (``ffn_route``, ``ffn_gather``, ``ffn_device``,
+    ``ffn_replay_gpu``) by wrapping ``host_route``, the gather and the graph replay."""
+    from afore.ffn import graphs, layer
+
+    route = layer.host_route
+
+    def timed_route(*args):
+        return _timed(stats, "ffn_route", route, *args)
+
+    layer.host_route = timed_route
+    gather = _HostRows.gather_into
+
+    def timed_gather(self, tokens, out):
+        _timed(stats, "ffn_gather", gather, self, tokens, out)
+        stats["_gather_end"] = time.perf_counter_ns()
+
+    _HostRows.gather_into = timed_gather
+    run = graphs.StepGraphs.run
+
+    def timed_run(self, *args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run(self, *args)
+        end.record()
+        stats["_replay_events"] = (start, end)
+        return out
+
+    graphs.StepGraphs.run = timed_run
+
+
+def _gpu_rest(stats: dict) -> None:
+    """After a GPU ``_compute``: its device part (gathered rows -> reply rows in pinned memory)."""
+    end = time.perf_counter_ns() - stats.pop("_gather_end", 0)
+    # _compute's release after the step is in ffn_device too (a few us)
+    stats.setdefault("ffn_device", []).append(end)
+    events = stats.pop("_replay_events", None)
+    if events is not None:
+        events[1].synchronize()
+        stats.setdefault("ffn_replay_gpu", []).append(int(events[0].elapsed_time(events[1]) * 1e6))
+
+
 def markdown(result: dict[str, float]) -> str:
     lines = ["| stage | us per target (median) |", "|---|---|"]
-    lines += [f"| {name} | {result[name]:.1f} |" for name in STAGES]
+    lines += [f"| {name} | {result[name]:.1f} |" for name in STAGES + GPU_STAGES if name in result]
     lines.append(f"| (plans used) | {result['plans_used_share']:.2f} |")
     return "\n".join(lines)
 
@@ -169,10 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets", type=int, default=600)
     p.add_argument("--tokens", type=int, default=8, help="tokens per decode target")
     p.add_argument("--ffn-workers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0 = the tiny checkpoint's)")
+    p.add_argument("--top-k", type=int, default=0, help="experts per token (0 = the tiny checkpoint's)")
+    p.add_argument("--hidden", type=int, default=0, help="hidden size (0 = the tiny checkpoint's)")
+    p.add_argument("--intermediate", type=int, default=0, help="expert width (0 = the tiny checkpoint's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the FFN workers' pools are")
     p.add_argument("--json", default="", help="write the medians here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    result = run(args.targets, args.tokens, args.ffn_workers)
+    result = run(args.targets, args.tokens, args.ffn_workers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                 intermediate=args.intermediate, device=args.device)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as fh:

@@ -87,6 +87,7 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shm_segment: str = ""             # the shm transport's segment (afore.transport.shm); "" = torch.distributed
     max_tokens: int = 0               # shm: tokens per target and attention worker the segment holds
     exact: bool = False               # shm: vLLM's MoE numerics, a reply row per pair (afore.ffn.exact)
+    spin_us: float = 0.0              # busy-poll this long before blocking: targets, plans, votes (shm and the plan ring)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ffn:
@@ -97,7 +98,7 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.backend not in ("", "gloo", "nccl"):
             raise ValueError(f"backend: expected '', 'gloo' or 'nccl', got {self.backend!r}")
-        for name in ("plan_timeout_ms", "copy_delay_ms", "copy_rate_gbps"):
+        for name in ("plan_timeout_ms", "copy_delay_ms", "copy_rate_gbps", "spin_us"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
@@ -163,7 +164,7 @@ class FFNWorker:
             from afore.scheduler.plan_ring import wait_for_segment
 
             wait_for_segment(cfg.plan_ring, cfg.timeout_s)
-            plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape)
+            plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape, spin_s=cfg.spin_us * 1e-6)
         self.plan_source = plan_source
         # the measured lookahead windows, fed back to the scheduler (afore.scheduler.window_feedback)
         self.window_reporter = None
@@ -215,7 +216,8 @@ class FFNWorker:
         layout = ShmLayout(num_attention=cfg.num_attention, num_ffn=cfg.num_ffn, hidden=self.spec.hidden_size,
                            top_k=self.spec.top_k, max_tokens=cfg.max_tokens, dtype=cfg.dtype, depth=cfg.depth,
                            exact=cfg.exact)
-        return ShmFFNEnd(cfg.shm_segment, layout, cfg.rank, self.device, timeout_s=cfg.timeout_s)
+        return ShmFFNEnd(cfg.shm_segment, layout, cfg.rank, self.device, timeout_s=cfg.timeout_s,
+                         spin_s=cfg.spin_us * 1e-6)
 
     def _peer_store(self):
         """The TCPStore on host:port that ``afore serve`` hosts for the CUDA IPC handles of the pools

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pingpong", action="store_true",
                         help="with --microbatches >= 2: post a layer's microbatches together and wait for all (no "
                              "overlap of attention and FFN; the A/B baseline of the ping-pong schedule)")
+    parser.add_argument("--spin-us", type=float, default=-1.0, metavar="US",
+                        help="shm data plane: busy-poll this long before blocking in every wait on the decode path "
+                             "(attention replies, FFN targets and plans, scheduler demand; 0 = always block); default "
+                             "-1 = auto: 2000 on CUDA nodes with two cores per waiting process, else 0")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
                         help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "
@@ -104,7 +108,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
                         primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration,
-                        exact=args.exact, pingpong=not args.no_pingpong)
+                        exact=args.exact, pingpong=not args.no_pingpong, spin_us=args.spin_us)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -120,6 +120,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
     exact: bool = False             # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch
     pingpong: bool = True           # microbatches >= 2: microbatch b+1's attention overlaps b's FFN (afore.attention.pingpong)
+    spin_us: float = -1.0           # busy-poll before blocking in the exchange waits (spin_seconds); -1 = auto
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -181,10 +182,35 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"copy_rate_gbps: expected a finite number, got {self.copy_rate_gbps}")
         if self.copy_rate_gbps < 0:
             raise ValueError(f"copy_rate_gbps: expected >= 0 (0 = full rate), got {self.copy_rate_gbps}")
+        if not (math.isfinite(self.spin_us) and (self.spin_us >= 0 or self.spin_us == -1)):
+            raise ValueError(f"spin_us: expected microseconds >= 0, or -1 (auto), got {self.spin_us}")
 
     @property
     def admin(self) -> int:
         return -1 if self.admin_port < 0 else (self.admin_port or self.port + 1)
+
+
+#: ``--spin-us auto`` where the node has the cores for it: a little longer than one MoE layer's
+#: exchange at decode (post -> reply, about 1-1.5 ms on the H200), so a wait usually ends spinning
+AUTO_SPIN_US = 2000.0
+
+
+def spin_seconds(opts: ServeOptions, cores: int | None = None) -> float:
+    """How long the shm data plane's waits busy-poll before blocking (seconds), in every process
+    of this node that waits on the decode path: the attention workers (replies), the FFN workers
+    (targets, plans, votes) and the scheduler (demand). A blocked wait costs a wake-up and a cold
+    cache on every exchange (about 50 us each, several per MoE layer); a spinning one costs a
+    core while it waits. ``--spin-us N`` sets it; auto (-1) spins ``AUTO_SPIN_US`` on CUDA nodes
+    with at least two cores per spinning process (A + F + the scheduler here), else not at all
+    (CPU serving: the workers share the cores that compute)."""
+    if opts.spin_us >= 0:
+        return opts.spin_us * 1e-6
+    if opts.device != "cuda":
+        return 0.0
+    here = {"all": opts.attn_workers + opts.ffn_workers + 1, "ffn": opts.ffn_workers + 1,
+            "attention": opts.attn_workers}[opts.role]
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return AUTO_SPIN_US * 1e-6 if cores >= 2 * here else 0.0
 
 
 def device_count(device: str) -> int:
@@ -442,7 +468,7 @@ class Launcher:
                             params=SchedulerParams(copy_budget=self.opts.copy_budget),
                             cost=serving_cost_model(self.opts.calibration, self.opts.device, self.spec.hidden_size,
                                                     self.spec.moe_intermediate_size, self.dtype, self.shape().m_tile),
-                            listen=listen)  # token: from the environment
+                            listen=listen, spin_us=spin_seconds(self.opts) * 1e6)  # token: from the environment
         proc = start_scheduler_process(cfg, env=self.child_env(), **CHILD_POPEN, **self.output.popen_kwargs())
         self.scheduler = Child("scheduler", proc)
         self.policy = policy
@@ -509,7 +535,7 @@ class Launcher:
                                dtype=self.dtype, backend=self.backend, redundant_slots=shape.redundant_slots,
                                m_tile=shape.m_tile, copy_rate_gbps=opts.copy_rate_gbps, plan_ring=self.ring_name,
                                timeout_s=max(opts.start_timeout_s, opts.exchange_timeout_s), shape=shape,
-                               **self._shm_fields())
+                               spin_us=spin_seconds(opts) * 1e6, **self._shm_fields())
 
     def _shm_fields(self) -> dict:
         """The shm transport's FFN worker fields (segment, tokens per target, targets in flight);
@@ -548,7 +574,8 @@ class Launcher:
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
                                    shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
-                                   depth=self.depth, exact=self.opts.exact, pingpong=self.opts.pingpong)
+                                   depth=self.depth, exact=self.opts.exact, pingpong=self.opts.pingpong,
+                                   spin_us=spin_seconds(self.opts) * 1e6)
         env = {**self.child_env(), **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
