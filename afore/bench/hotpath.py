@@ -15,7 +15,7 @@ the order a target meets them, each timed alone (``time.perf_counter_ns``, media
   (``host_route``: eq. 11 on the host ids), ``ffn_gather`` (this worker's rows into pinned
   memory) and ``ffn_device`` (from the gathered rows to the reply rows back in pinned memory:
   the copies, the graph replay and the one synchronisation), with ``ffn_replay_gpu`` the
-  replay's GPU time alone (CUDA events));
+  replay's GPU time alone (CUDA events; host-fed graphs: with their captured copies));
 - ``ffn_metrics``: ``FFNMetrics.observe_target`` and the migration records (worker 0, which also
   records balance; serving runs them after the reply, off the critical path);
 - ``ffn_settle``: ``FFNWorker._settle`` after a passed vote.
@@ -137,11 +137,11 @@ def run(targets: int = 600, tokens: int = 8, num_ffn: int = 2, skew: float = 1.5
     workers = [Worker(FFNWorkerConfig(rank=r, num_ffn=num_ffn, num_attention=1, model=model, plan_ring=cfg.ring,
                                       shape=shape, timeout_s=10.0, device=device, dtype=dtype, port=port))
                for r in range(num_ffn)]
-    if cuda:
-        _time_gpu_parts(stats)
     emitter = DemandEmitter(cfg.mailbox, shape.num_experts, 0)
     rng = np.random.default_rng(seed)
     stats: dict[str, list[int]] = {}
+    if cuda:
+        _time_gpu_parts(stats)
     policy_plan, ring_publish = service.policy.plan, service.ring.publish
 
     def timed_plan(obs):
@@ -207,6 +207,13 @@ def _time_gpu_parts(stats: dict) -> None:
         return _timed(stats, "ffn_route", route, *args)
 
     layer.host_route = timed_route
+    if layer._route_local is not None:  # the host-fed step's routing (FFNLayer._host_fed_step)
+        native = layer._route_local
+
+        def timed_native(*args):
+            return _timed(stats, "ffn_route", native, *args)
+
+        layer._route_local = timed_native
     gather = _HostRows.gather_into
 
     def timed_gather(self, tokens, out):
@@ -225,6 +232,17 @@ def _time_gpu_parts(stats: dict) -> None:
         return out
 
     graphs.StepGraphs.run = timed_run
+    run_fed = graphs.StepGraphs.run_fed
+
+    def timed_run_fed(self, *args):  # the replay with its captured copies, and the wait for it
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run_fed(self, *args)
+        end.record()
+        stats["_replay_events"] = (start, end)
+        return out
+
+    graphs.StepGraphs.run_fed = timed_run_fed
 
 
 def _gpu_rest(stats: dict) -> None:

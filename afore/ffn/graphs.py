@@ -13,6 +13,15 @@ graph like any kernel).
 Static buffers depend only on the shapes, so every layer of a worker shares them
 (``StaticInputs``, one set per bucket); each layer captures its own graphs because they bind
 its slot pool and its device table.
+
+Host-fed steps (the shm transport's GPU workers, ``FFNLayer.forward_host_routed``): the
+inputs arrive in host memory, so the copies belong to the step too. ``StepGraphs.capture_fed``
+captures them with it: the bucket's rows, ids and weights and this worker's local plan table
+from page-locked host buffers (``FedBuffers``, registered with ``cudaHostRegister`` at fixed
+addresses, one set per worker shared by its layers) into the static inputs and the device
+table, the step, and the output rows back into host memory. A host-fed step is then the host
+writing those buffers (``afore._ffn.route_local``, the transport's gather), one replay and one
+synchronisation: no copy or table upload launched one by one on the step.
 """
 
 from __future__ import annotations
@@ -50,7 +59,25 @@ class StaticInputs:
     config: StepConfig
 
 
+@dataclasses.dataclass
+class FedBuffers:
+    """Page-locked host buffers of host-fed steps of up to ``rows.shape[0]`` tokens (each bucket's
+    graph copies the first B rows): rows [T, H] (dtype) and out [T, H] (the reply rows), ids
+    int32 [T, k], weights fp32 [T, k], tokens int64 [T] (the kept tokens, host only), table
+    int32 [3 * EP + 1] (the local plan table with its pair count), and the event a step's
+    replay records and the host waits on."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+    tokens: torch.Tensor
+    table: torch.Tensor
+    event: object
+
+
 _SHARED: dict[tuple, StaticInputs] = {}
+_FED: dict[tuple, FedBuffers] = {}
 _CONFIGS: dict[tuple, StepConfig] = {}
 _POOLS: dict[torch.device, object] = {}
 
@@ -68,6 +95,28 @@ def static_inputs(bucket: int, top_k: int, hidden: int, intermediate: int, num_s
             StepBuffers(bucket * top_k, num_slots, hidden, intermediate, num_experts, dtype, device, config.block_m),
             config)
     return _SHARED[key]
+
+
+def _registered(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor page-locked with ``cudaHostRegister`` (outside torch's pinned-memory
+    cache, whose event bookkeeping a capture must not see); kept for the process's lifetime."""
+    t = torch.zeros(shape, dtype=dtype)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), max(1, t.numel() * t.element_size()), 0)
+    if int(getattr(rc, "value", rc)) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({rc}): host-fed FFN steps need page-locked buffers")
+    return t
+
+
+def fed_buffers(tokens: int, top_k: int, hidden: int, table_len: int, dtype: torch.dtype,
+                device: torch.device) -> FedBuffers:
+    """The worker's shared host buffers for host-fed steps of up to ``tokens`` tokens."""
+    key = (device, dtype, tokens, top_k, hidden, table_len)
+    if key not in _FED:
+        _FED[key] = FedBuffers(_registered((tokens, hidden), dtype), _registered((tokens, top_k), torch.int32),
+                               _registered((tokens, top_k), torch.float32), _registered((tokens, hidden), dtype),
+                               torch.zeros(tokens, dtype=torch.int64), _registered((table_len,), torch.int32),
+                               torch.cuda.Event())
+    return _FED[key]
 
 
 def tuned_config(bucket: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor, num_experts: int, table: torch.Tensor,
@@ -130,24 +179,74 @@ class StepGraphs:
         self.tune = tune
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.inputs: dict[int, StaticInputs] = {}
+        self.fed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1]
 
-    def capture(self, bucket: int) -> None:
-        """Capture the step for ``bucket`` tokens (tunes the config first if asked); synchronises."""
+    def _bucket_inputs(self, bucket: int) -> tuple[StepConfig, StaticInputs]:
         device = self.w13.device
         cfg = (tuned_config(bucket, self.top_k, self.w13, self.w2, self.num_experts, self.table, self.errors)
                if self.tune else default_step_config(bucket * self.top_k / max(1, self.w13.shape[0])))
-        st = static_inputs(bucket, self.top_k, self.w13.shape[2], self.w2.shape[2], self.w13.shape[0],
-                           self.num_experts, self.w13.dtype, device, cfg)
+        return cfg, static_inputs(bucket, self.top_k, self.w13.shape[2], self.w2.shape[2], self.w13.shape[0],
+                                  self.num_experts, self.w13.dtype, device, cfg)
+
+    def capture(self, bucket: int) -> None:
+        """Capture the step for ``bucket`` tokens (tunes the config first if asked); synchronises."""
+        cfg, st = self._bucket_inputs(bucket)
 
         def step():
             routed_expert_step(st.hidden, st.ids, st.weights, self.table, self.w13, self.w2, self.errors,
                                self.num_experts, "triton", cfg, st.buffers, st.out)
 
+        self.graphs[bucket] = self._capture(step)
+        self.inputs[bucket] = st
+
+    def fed(self) -> FedBuffers:
+        """This worker's host buffers for host-fed steps (up to ``max_tokens`` tokens)."""
+        return fed_buffers(self.max_tokens, self.top_k, self.w13.shape[2], self.table.numel(), self.w13.dtype,
+                           self.w13.device)
+
+    def capture_fed(self, bucket: int) -> None:
+        """Capture the host-fed step for ``bucket`` tokens (``fed()``'s first rows, ids, weights and
+        local table in, the step, the output rows out); synchronises. The warm-up run before the
+        capture computes no pair: the host table's pair count is set to 0 for it."""
+        cfg, st = self._bucket_inputs(bucket)
+        fed = self.fed()
+        fed.table.copy_(self.table.cpu())
+        fed.table[-1] = 0
+
+        def step():
+            for dst, src in ((st.hidden, fed.rows), (st.ids, fed.ids), (st.weights, fed.weights)):
+                dst.copy_(src[:bucket], non_blocking=True)
+            self.table.copy_(fed.table, non_blocking=True)
+            routed_expert_step(st.hidden, st.ids, st.weights, self.table, self.w13, self.w2, self.errors,
+                               self.num_experts, "triton", cfg, st.buffers, st.out)
+            fed.out[:bucket].copy_(st.out, non_blocking=True)
+
+        self.fed_graphs[bucket] = self._capture(step)
+        self.inputs.setdefault(bucket, st)
+
+    def run_fed(self, tokens: int) -> torch.Tensor:
+        """Replay the host-fed step of ``tokens`` tokens (the host buffers hold its inputs and its
+        local table with n = tokens * k) and wait for it; returns ``fed().out[:tokens]`` (host
+        memory, overwritten by the next host-fed step)."""
+        bucket = bucket_for(tokens, self.buckets)
+        if bucket is None:
+            raise ValueError(f"tokens: {tokens} exceed the largest captured bucket {self.max_tokens}")
+        if bucket not in self.fed_graphs:
+            self.capture_fed(bucket)
+        fed = self.fed()
+        self.fed_graphs[bucket].replay()
+        self.replays += 1
+        fed.event.record()
+        fed.event.synchronize()
+        return fed.out[:tokens]
+
+    def _capture(self, step) -> torch.cuda.CUDAGraph:
+        device = self.w13.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -162,8 +261,7 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=_POOLS[device], capture_error_mode="thread_local"):
             step()
         torch.cuda.synchronize(device)
-        self.graphs[bucket] = graph
-        self.inputs[bucket] = st
+        return graph
 
     def input_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views (hidden [T, H], ids int32 [T, k], weights fp32 [T, k]) of the static buffers of

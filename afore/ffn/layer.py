@@ -60,6 +60,7 @@ class FFNLayer:
         self.plan_table = DevicePlan(pool.shape, pool.worker, pool.num_slots, pool.device)
         self.errors = torch.zeros(1, dtype=torch.int32, device=pool.device)
         self.graphs = None
+        self.host_feeding = True   # forward_host_routed replays host-fed graphs (StepGraphs.capture_fed)
         if graphs and backend == "triton" and pool.device.type == "cuda":
             self.graphs = StepGraphs(pool.w13, pool.w2, self.plan_table.table, self.errors, pool.shape.num_experts,
                                      pool.shape.top_k, graph_buckets, tune)
@@ -89,17 +90,34 @@ class FFNLayer:
         arrives, so that ``forward`` finds it ready). ValueError names the bad field."""
         self.plan_table.stage(plan)
 
-    def capture_graphs(self, buckets: tuple[int, ...] | None = None) -> None:
+    def capture_graphs(self, buckets: tuple[int, ...] | None = None, host_fed: bool = False) -> None:
         """Capture (and tune) the step's graph for each token bucket now, e.g. at start-up, so
-        that no step pays for it (synchronises; a no-op without graphs)."""
+        that no step pays for it (synchronises; a no-op without graphs). ``host_fed``: the graphs
+        of ``forward_host_routed`` (copies from host buffers captured with the step) instead of
+        those of ``forward``; if the device cannot capture them, host-fed steps launch their
+        copies one by one (logged once)."""
         if self.graphs is None:
             return
         shape = self.pool.shape
         table = self.plan_table.stage(primary_only_plan(shape, np.zeros(shape.num_experts, np.int64), Target(0, 0, 0), 0))
         for bucket in buckets or self.graphs.buckets:
-            if bucket not in self.graphs.graphs:
+            if bucket not in (self.graphs.fed_graphs if host_fed else self.graphs.graphs):
                 self.plan_table.upload(table, bucket * shape.top_k)
-                self.graphs.capture(bucket)
+                if not host_fed:
+                    self.graphs.capture(bucket)
+                elif self.host_feeding:
+                    self._capture_fed(bucket)
+
+    def _capture_fed(self, bucket: int) -> bool:
+        try:
+            self.graphs.capture_fed(bucket)
+        except RuntimeError as exc:  # e.g. no page-locked memory: the copies run one by one instead
+            import logging
+
+            logging.getLogger(__name__).warning("host-fed FFN step graphs unavailable (%s): copies are launched "
+                                                "one by one", str(exc).splitlines()[0])
+            self.host_feeding = False
+        return self.host_feeding
 
     def input_buffers(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where a transport can receive a ``tokens``-token microbatch of this layer so that
@@ -201,7 +219,13 @@ class FFNLayer:
         if topk_ids.dtype != torch.int32 or not topk_ids.is_cpu or not topk_weights.is_cpu:
             raise ValueError(f"topk_ids, topk_weights: expected int32 ids and weights on the host, got "
                              f"{topk_ids.dtype} on {topk_ids.device}, {topk_weights.device}")
-        route = host_route(topk_ids.numpy(), self.plan_table.stage(plan), self.pool.shape.num_experts)
+        table = self.plan_table.stage(plan)
+        n = topk_ids.shape[0]
+        if self.graphs is not None and self.host_feeding and n <= self.graphs.max_tokens:
+            out = self._host_fed_step(gather, topk_ids, topk_weights, table)
+            if out is not None:
+                return out
+        route = host_route(topk_ids.numpy(), table, self.pool.shape.num_experts)
         if route.dropped_errors:  # ids outside [0, E) on tokens the step does not see (it counts the others)
             self.errors += route.dropped_errors
         u = route.tokens.size
@@ -236,6 +260,34 @@ class FFNLayer:
         staging.event.record()
         staging.event.synchronize()
         return tokens, staging.out[:u].view(u, h)
+
+    def _host_fed_step(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``forward_host_routed`` as one replay: eq. 11, the kept tokens' ids and weights and the
+        local table written by ``route_local`` straight into the graph's host buffers, this worker's
+        rows gathered into them, the captured copies + step + copy back, one wait. None: the
+        host-fed graphs are unavailable (the caller takes the launched path)."""
+        if _route_local is None:
+            return None
+        g = self.graphs
+        fed = g.fed()
+        n, k = topk_ids.shape
+        bucket = _bucket(n, g.buckets)
+        if bucket not in g.fed_graphs and not self._capture_fed(bucket):
+            return None
+        ids = np.ascontiguousarray(topk_ids.numpy())
+        weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+        weights = np.ascontiguousarray(weights.numpy())
+        u, dropped = _route_local(ids.ctypes.data, weights.ctypes.data, n, k, table.ctypes.data, self.pool.shape.num_experts,
+                                  self.plan_table.width, fed.tokens.data_ptr(), fed.ids.data_ptr(), fed.weights.data_ptr(),
+                                  fed.table.data_ptr())
+        if dropped:  # ids outside [0, E) on tokens the step does not see (it counts the others)
+            self.errors += dropped
+        tokens = fed.tokens[:u].clone()
+        if u == 0:
+            return tokens, fed.out[:0]
+        gather(tokens, fed.rows[:u])
+        return tokens, g.run_fed(u)
 
     def _staging(self, tokens: int) -> "HostStaging":
         """This device's host staging buffers, holding at least ``tokens`` rows (shared by the layers)."""
@@ -320,6 +372,18 @@ class HostRoute(NamedTuple):
     tokens: np.ndarray
     local_table: np.ndarray
     dropped_errors: int
+
+
+try:
+    from afore._ffn import route_local as _route_local
+except ImportError:  # an older build of the extension: numpy routes, the copies are launched one by one
+    _route_local = None
+
+
+def _bucket(tokens: int, buckets: tuple[int, ...]) -> int | None:
+    from afore.ffn.graphs import bucket_for
+
+    return bucket_for(tokens, buckets)
 
 
 def host_route(topk_ids: np.ndarray, table: np.ndarray, num_experts: int) -> HostRoute:

@@ -182,8 +182,8 @@ class FFNWorker:
         # CUDA graphs of every token bucket now, before the transport's receive thread starts
         # (its CUDA calls during a capture would invalidate it), not on the first steps
         self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
-        for layer in self.layers.values():
-            layer.capture_graphs()
+        for layer in self.layers.values():  # shm on a GPU: the host-fed graphs (forward_host_routed)
+            layer.capture_graphs(host_fed=bool(cfg.shm_segment) and not cfg.exact)
         self.connector = self._connect()
         if self.device.type == "cuda":
             from afore.migrator.peers import open_peer_pools, publish_pools

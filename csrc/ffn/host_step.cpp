@@ -261,6 +261,68 @@ class HostStep {
   std::vector<float> acc_, xs_, gu_, act_;
 };
 
+
+// Eq. 11 for one GPU worker fed by a host transport (afore.ffn.layer.host_route): over ids
+// int32[n*k] under this worker's plan table int32[3*ep + 1], the ascending tokens it computes a
+// pair of (tokens_out int64, room for n), their ids and routing weights packed in that order
+// (ids_out int32 / weights_out fp32, room for n*k, from weights fp32[n*k]) and the local table
+// (local_out int32[3*ep + 1]) under which the device step, given only those tokens, runs exactly
+// this worker's pairs: for each expert e it runs, lo = the kept pairs of e ranked below its
+// interval [lo_e, hi_e), hi = lo + its pairs of e; slots as in the table; n = U * k. Returns
+// (U, ids outside [0, E) on the tokens left out: the step counts those of the kept tokens).
+std::tuple<int64_t, int64_t> route_local(uintptr_t ids_ptr, uintptr_t weights_ptr, int64_t n, int64_t k,
+                                         uintptr_t table_ptr, int64_t num_experts, int64_t ep, uintptr_t tokens_out,
+                                         uintptr_t ids_out, uintptr_t weights_out, uintptr_t local_out) {
+  if (n < 0 || k < 1 || num_experts < 0 || ep < num_experts) throw std::invalid_argument("route_local: bad sizes");
+  const int32_t* ids = reinterpret_cast<const int32_t*>(ids_ptr);
+  const float* weights = reinterpret_cast<const float*>(weights_ptr);
+  const int32_t* table = reinterpret_cast<const int32_t*>(table_ptr);
+  int64_t* tokens = reinterpret_cast<int64_t*>(tokens_out);
+  int32_t* ids_o = reinterpret_cast<int32_t*>(ids_out);
+  float* weights_o = reinterpret_cast<float*>(weights_out);
+  int32_t* local = reinterpret_cast<int32_t*>(local_out);
+  nb::gil_scoped_release release;
+  thread_local std::vector<int64_t> seen, start, count;
+  thread_local std::vector<int32_t> ord;
+  thread_local std::vector<uint8_t> keep;
+  seen.assign(size_t(num_experts), 0);
+  start.assign(size_t(num_experts), 0);
+  count.assign(size_t(num_experts), 0);
+  ord.resize(size_t(n * k));
+  keep.assign(size_t(n), 0);
+  // ordinals and this worker's pairs (a token is kept if it has one)
+  for (int64_t p = 0; p < n * k; ++p) {
+    const int32_t e = ids[p];
+    if (e < 0 || e >= num_experts) { ord[size_t(p)] = -1; continue; }
+    const int64_t o = seen[size_t(e)]++;
+    ord[size_t(p)] = int32_t(o);
+    if (o >= table[e] && o < table[ep + e]) keep[size_t(p / k)] = 1, ++count[size_t(e)];
+  }
+  int64_t u = 0, dropped = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (!keep[size_t(t)]) {
+      for (int64_t j = 0; j < k; ++j) dropped += ord[size_t(t * k + j)] < 0;
+      continue;
+    }
+    for (int64_t j = 0; j < k; ++j) {  // kept pairs of e ranked below this worker's interval
+      const int64_t p = t * k + j;
+      const int32_t e = ids[p];
+      if (ord[size_t(p)] >= 0 && ord[size_t(p)] < table[e]) ++start[size_t(e)];
+      ids_o[u * k + j] = e;
+      weights_o[u * k + j] = weights[p];
+    }
+    tokens[u++] = t;
+  }
+  for (int64_t x = 0; x < 3 * ep + 1; ++x) local[x] = table[x];
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const bool works = table[2 * ep + e] >= 0;
+    local[e] = works ? int32_t(start[size_t(e)]) : 0;
+    local[ep + e] = works ? int32_t(start[size_t(e)] + count[size_t(e)]) : 0;
+  }
+  local[3 * ep] = int32_t(u * k);
+  return {u, dropped};
+}
+
 }  // namespace
 
 void bind_plan_check(nb::module_& m);  // plan_check.cpp
@@ -274,6 +336,8 @@ NB_MODULE(_ffn, m) {
       .def("compute", &HostStep::compute, "x"_a, "row_stride"_a, "weights"_a, "w13"_a, "w13_stride"_a, "w2"_a, "w2_stride"_a, "hidden"_a, "inter"_a,
            "dtype"_a, "out"_a)
       .def_prop_ro("pairs", &HostStep::pairs);
+  m.def("route_local", &route_local, "ids"_a, "weights"_a, "n"_a, "k"_a, "table"_a, "num_experts"_a, "ep"_a,
+        "tokens_out"_a, "ids_out"_a, "weights_out"_a, "local_out"_a);
   bind_plan_check(m);
   m.def("simd", []() { return g_dot != dot_generic; }, "whether the AVX2/FMA dot product is in use");
 }

@@ -183,6 +183,49 @@ def test_host_routed_step_equals_the_dense_step(shape, n, seed, fill, bad, stale
         assert float((total - ref).norm() / ref.norm().clamp_min(1e-30)) <= 1e-6
 
 
+@settings(max_examples=80, deadline=None)
+@given(shape=shapes, n=st.integers(0, 48), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1),
+       bad=st.integers(0, 3), stale=st.booleans())
+def test_native_route_local_equals_host_route(shape, n, seed, fill, bad, stale):
+    """``afore._ffn.route_local`` (the host-fed GPU step's routing, written straight into the
+    graph's host buffers) is ``host_route`` for every worker: the same kept tokens, the same local
+    table (with the pair count U * k), the same dropped bad ids, and the kept tokens' ids and
+    weights packed in token order."""
+    from afore._ffn import route_local
+    from afore.ffn.device_plan import DevicePlan
+    from afore.ffn.layer import host_route
+
+    rng, _, _, _, ids, weights, demand = random_case(shape, n, seed)
+    ids = ids.to(torch.int32)
+    e, k = shape.num_experts, shape.top_k
+    if stale:
+        demand = rng.permutation(demand)
+    if n and bad:
+        flat = ids.view(-1)
+        flat[torch.from_numpy(rng.choice(flat.numel(), min(bad, flat.numel()), replace=False))] = \
+            torch.tensor([-1, e, e + 5][:min(bad, flat.numel())], dtype=ids.dtype)
+    table = random_slot_table(shape, rng, fill)
+    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
+    ids_np, weights_np = ids.numpy().copy(), weights.float().numpy().copy()
+    for w in range(shape.num_workers):
+        dp = DevicePlan(shape, w, int(shape.primary_counts[w]) + shape.redundant_slots, "cpu")
+        wt = dp.stage(plan)
+        want = host_route(ids_np, wt, e)
+        tokens = np.full(max(n, 1), -7, np.int64)
+        ids_out = np.full(max(n, 1) * k, -7, np.int32)
+        weights_out = np.full(max(n, 1) * k, -7.0, np.float32)
+        local = np.full(wt.size, -7, np.int32)
+        u, dropped = route_local(ids_np.ctypes.data, weights_np.ctypes.data, n, k, wt.ctypes.data, e, dp.width,
+                                 tokens.ctypes.data, ids_out.ctypes.data, weights_out.ctypes.data, local.ctypes.data)
+        assert u == want.tokens.size and np.array_equal(tokens[:u], want.tokens)
+        assert dropped == want.dropped_errors
+        expect = want.local_table.copy()
+        expect[-1] = u * k
+        assert np.array_equal(local, expect)
+        assert np.array_equal(ids_out[:u * k].reshape(u, k), ids_np[want.tokens])
+        assert np.array_equal(weights_out[:u * k].reshape(u, k), weights_np[want.tokens])
+
+
 def test_partition_is_exact_and_matches_assignment():
     rng = np.random.default_rng(3)
     shape = ClusterShape(num_experts=12, num_workers=4, redundant_slots=3, top_k=4, m_tile=4)
