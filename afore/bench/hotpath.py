@@ -15,7 +15,7 @@ the order a target meets them, each timed alone (``time.perf_counter_ns``, media
   (``host_route``: eq. 11 on the host ids), ``ffn_gather`` (this worker's rows into pinned
   memory) and ``ffn_device`` (from the gathered rows to the reply rows back in pinned memory:
   the copies, the graph replay and the one synchronisation), with ``ffn_replay_gpu`` the
-  replay's GPU time alone (CUDA events; host-fed graphs: with their captured copies));
+  replay's GPU time alone (CUDA events; host-fed steps: with their copies in and out));
 - ``ffn_metrics``: ``FFNMetrics.observe_target`` and the migration records (worker 0, which also
   records balance; serving runs them after the reply, off the critical path);
 - ``ffn_settle``: ``FFNWorker._settle`` after a passed vote.
@@ -234,7 +234,7 @@ def _time_gpu_parts(stats: dict) -> None:
     graphs.StepGraphs.run = timed_run
     run_fed = graphs.StepGraphs.run_fed
 
-    def timed_run_fed(self, *args):  # the replay with its captured copies, and the wait for it
+    def timed_run_fed(self, *args):  # the copy in, the replay, the copy back and the wait
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = run_fed(self, *args)

@@ -15,13 +15,13 @@ Static buffers depend only on the shapes, so every layer of a worker shares them
 its slot pool and its device table.
 
 Host-fed steps (the shm transport's GPU workers, ``FFNLayer.forward_host_routed``): the
-inputs arrive in host memory, so the copies belong to the step too. ``StepGraphs.capture_fed``
-captures them with it: the bucket's rows, ids and weights and this worker's local plan table
-from page-locked host buffers (``FedBuffers``, registered with ``cudaHostRegister`` at fixed
-addresses, one set per worker shared by its layers) into the static inputs and the device
-table, the step, and the output rows back into host memory. A host-fed step is then the host
-writing those buffers (``afore._ffn.route_local``, the transport's gather), one replay and one
-synchronisation: no copy or table upload launched one by one on the step.
+inputs arrive in host memory. Each bucket has one packed input buffer on the device, [local plan
+table | ids | weights | rows], mirrored in pinned host memory (``FedBucket``); its graph
+(``StepGraphs.capture_fed``) reads the table, ids, weights and rows from views of it. A host-fed
+step is the host writing the mirror (``afore._ffn.route_local``: eq. 11, the kept tokens' ids and
+weights and the local table; the transport's gather: the rows), one copy of the mirror's prefix
+that holds them, one replay, one copy of the output rows back and one wait: four CUDA calls, where
+copying each input and uploading the table one by one took ten.
 """
 
 from __future__ import annotations
@@ -59,25 +59,49 @@ class StaticInputs:
     config: StepConfig
 
 
-@dataclasses.dataclass
-class FedBuffers:
-    """Page-locked host buffers of host-fed steps of up to ``rows.shape[0]`` tokens (each bucket's
-    graph copies the first B rows): rows [T, H] (dtype) and out [T, H] (the reply rows), ids
-    int32 [T, k], weights fp32 [T, k], tokens int64 [T] (the kept tokens, host only), table
-    int32 [3 * EP + 1] (the local plan table with its pair count), and the event a step's
-    replay records and the host waits on."""
+#: byte alignment of each block of a packed host-fed input buffer (Triton's vectorised loads)
+_FED_ALIGN = 256
 
-    rows: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor
-    out: torch.Tensor
-    tokens: torch.Tensor
-    table: torch.Tensor
-    event: object
+
+def _align(n: int) -> int:
+    return -(-n // _FED_ALIGN) * _FED_ALIGN
+
+
+class FedBucket:
+    """The packed input buffer of a ``bucket``-token host-fed step, on the device (``device``) and
+    in pinned host memory (``host``): int32 table [table_len] | int32 ids [B, k] | fp32 weights
+    [B, k] | rows [B, H] (dtype), each block ``_FED_ALIGN``-aligned; ``dev_*``/``host_*`` are the
+    views of each. ``out_host`` [B, H] (pinned) receives the output rows; ``event`` is what the
+    host waits on. ``prefix(tokens)``: the bytes that hold a ``tokens``-token step's inputs."""
+
+    def __init__(self, bucket: int, top_k: int, hidden: int, table_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        elt = torch.empty(0, dtype=dtype).element_size()
+        self.bucket, self.hidden, self.elt = bucket, hidden, elt
+        self.o_ids = _align(4 * table_len)
+        self.o_weights = self.o_ids + _align(4 * bucket * top_k)
+        self.o_rows = self.o_weights + _align(4 * bucket * top_k)
+        total = self.o_rows + _align(elt * bucket * hidden)
+        self.device = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
+
+        def views(buf):
+            return (buf[:4 * table_len].view(torch.int32),
+                    buf[self.o_ids:self.o_ids + 4 * bucket * top_k].view(torch.int32).view(bucket, top_k),
+                    buf[self.o_weights:self.o_weights + 4 * bucket * top_k].view(torch.float32).view(bucket, top_k),
+                    buf[self.o_rows:self.o_rows + elt * bucket * hidden].view(dtype).view(bucket, hidden))
+
+        self.dev_table, self.dev_ids, self.dev_weights, self.dev_rows = views(self.device)
+        self.host_table, self.host_ids, self.host_weights, self.host_rows = views(self.host)
+        self.out_host = torch.zeros(bucket, hidden, dtype=dtype, pin_memory=True)
+        self.event = torch.cuda.Event()
+
+    def prefix(self, tokens: int) -> int:
+        return self.o_rows + self.elt * tokens * self.hidden
 
 
 _SHARED: dict[tuple, StaticInputs] = {}
-_FED: dict[tuple, FedBuffers] = {}
+_FED: dict[tuple, FedBucket] = {}
 _CONFIGS: dict[tuple, StepConfig] = {}
 _POOLS: dict[torch.device, object] = {}
 
@@ -97,25 +121,12 @@ def static_inputs(bucket: int, top_k: int, hidden: int, intermediate: int, num_s
     return _SHARED[key]
 
 
-def _registered(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor page-locked with ``cudaHostRegister`` (outside torch's pinned-memory
-    cache, whose event bookkeeping a capture must not see); kept for the process's lifetime."""
-    t = torch.zeros(shape, dtype=dtype)
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), max(1, t.numel() * t.element_size()), 0)
-    if int(getattr(rc, "value", rc)) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({rc}): host-fed FFN steps need page-locked buffers")
-    return t
-
-
-def fed_buffers(tokens: int, top_k: int, hidden: int, table_len: int, dtype: torch.dtype,
-                device: torch.device) -> FedBuffers:
-    """The worker's shared host buffers for host-fed steps of up to ``tokens`` tokens."""
-    key = (device, dtype, tokens, top_k, hidden, table_len)
+def fed_bucket(bucket: int, top_k: int, hidden: int, table_len: int, dtype: torch.dtype,
+               device: torch.device) -> FedBucket:
+    """The worker's packed input buffer of ``bucket``-token host-fed steps (shared by its layers)."""
+    key = (device, dtype, bucket, top_k, hidden, table_len)
     if key not in _FED:
-        _FED[key] = FedBuffers(_registered((tokens, hidden), dtype), _registered((tokens, top_k), torch.int32),
-                               _registered((tokens, top_k), torch.float32), _registered((tokens, hidden), dtype),
-                               torch.zeros(tokens, dtype=torch.int64), _registered((table_len,), torch.int32),
-                               torch.cuda.Event())
+        _FED[key] = FedBucket(bucket, top_k, hidden, table_len, dtype, device)
     return _FED[key]
 
 
@@ -180,6 +191,7 @@ class StepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.inputs: dict[int, StaticInputs] = {}
         self.fed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.fed_out: dict[int, torch.Tensor] = {}
         self.replays = 0
 
     @property
@@ -204,46 +216,50 @@ class StepGraphs:
         self.graphs[bucket] = self._capture(step)
         self.inputs[bucket] = st
 
-    def fed(self) -> FedBuffers:
-        """This worker's host buffers for host-fed steps (up to ``max_tokens`` tokens)."""
-        return fed_buffers(self.max_tokens, self.top_k, self.w13.shape[2], self.table.numel(), self.w13.dtype,
-                           self.w13.device)
-
-    def capture_fed(self, bucket: int) -> None:
-        """Capture the host-fed step for ``bucket`` tokens (``fed()``'s first rows, ids, weights and
-        local table in, the step, the output rows out); synchronises. The warm-up run before the
-        capture computes no pair: the host table's pair count is set to 0 for it."""
-        cfg, st = self._bucket_inputs(bucket)
-        fed = self.fed()
-        fed.table.copy_(self.table.cpu())
-        fed.table[-1] = 0
-
-        def step():
-            for dst, src in ((st.hidden, fed.rows), (st.ids, fed.ids), (st.weights, fed.weights)):
-                dst.copy_(src[:bucket], non_blocking=True)
-            self.table.copy_(fed.table, non_blocking=True)
-            routed_expert_step(st.hidden, st.ids, st.weights, self.table, self.w13, self.w2, self.errors,
-                               self.num_experts, "triton", cfg, st.buffers, st.out)
-            fed.out[:bucket].copy_(st.out, non_blocking=True)
-
-        self.fed_graphs[bucket] = self._capture(step)
-        self.inputs.setdefault(bucket, st)
-
-    def run_fed(self, tokens: int) -> torch.Tensor:
-        """Replay the host-fed step of ``tokens`` tokens (the host buffers hold its inputs and its
-        local table with n = tokens * k) and wait for it; returns ``fed().out[:tokens]`` (host
-        memory, overwritten by the next host-fed step)."""
+    def fed(self, tokens: int) -> FedBucket:
+        """The packed input buffer of ``tokens``' bucket (not captured here)."""
         bucket = bucket_for(tokens, self.buckets)
         if bucket is None:
             raise ValueError(f"tokens: {tokens} exceed the largest captured bucket {self.max_tokens}")
+        return fed_bucket(bucket, self.top_k, self.w13.shape[2], self.table.numel(), self.w13.dtype, self.w13.device)
+
+    def capture_fed(self, bucket: int) -> None:
+        """Capture the host-fed step for ``bucket`` tokens: the step on the views of the bucket's
+        packed device buffer (``FedBucket``: its table, ids, weights, rows); synchronises. The
+        warm-up run before the capture computes no pair (its table's pair count is 0)."""
+        cfg, st = self._bucket_inputs(bucket)
+        fed = self.fed(bucket)
+        fed.dev_table.copy_(self.table)
+        fed.dev_table[-1] = 0
+
+        def step():
+            routed_expert_step(fed.dev_rows, fed.dev_ids, fed.dev_weights, fed.dev_table, self.w13, self.w2,
+                               self.errors, self.num_experts, "triton", cfg, st.buffers, st.out)
+
+        self.fed_graphs[bucket] = self._capture(step)
+        self.fed_out[bucket] = st.out
+
+    def run_fed(self, tokens: int, bucket: int) -> torch.Tensor:
+        """The host-fed step of ``tokens`` tokens, whose inputs and local table (n = tokens * k)
+        the host wrote into ``fed(bucket)``'s mirror (``bucket`` >= tokens: the bucket of the
+        target's token count, known before the worker's own is): one copy of the mirror's prefix,
+        the replay, the output rows copied back, one wait. Returns them ([tokens, H], pinned host
+        memory, overwritten by the next host-fed step of the bucket)."""
+        if bucket not in self.buckets or not 0 < tokens <= bucket:
+            raise ValueError(f"tokens, bucket: expected 0 < tokens <= bucket, a bucket of {self.buckets}, "
+                             f"got {tokens}, {bucket}")
         if bucket not in self.fed_graphs:
             self.capture_fed(bucket)
-        fed = self.fed()
+        fed = self.fed(bucket)
+        size = fed.prefix(tokens)
+        fed.device[:size].copy_(fed.host[:size], non_blocking=True)
         self.fed_graphs[bucket].replay()
         self.replays += 1
+        out = fed.out_host[:tokens]
+        out.copy_(self.fed_out[bucket][:tokens], non_blocking=True)
         fed.event.record()
         fed.event.synchronize()
-        return fed.out[:tokens]
+        return out
 
     def _capture(self, step) -> torch.cuda.CUDAGraph:
         device = self.w13.device

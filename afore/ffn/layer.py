@@ -263,31 +263,33 @@ class FFNLayer:
 
     def _host_fed_step(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``forward_host_routed`` as one replay: eq. 11, the kept tokens' ids and weights and the
-        local table written by ``route_local`` straight into the graph's host buffers, this worker's
-        rows gathered into them, the captured copies + step + copy back, one wait. None: the
-        host-fed graphs are unavailable (the caller takes the launched path)."""
+        """``forward_host_routed`` in four CUDA calls (``StepGraphs.run_fed``): eq. 11, the kept
+        tokens' ids and weights and the local table written by ``route_local`` straight into the
+        bucket's pinned mirror, this worker's rows gathered into it, then one copy, the replay, the
+        rows back, one wait. None: the host-fed graphs are unavailable (the caller launches the
+        copies one by one)."""
         if _route_local is None:
             return None
         g = self.graphs
-        fed = g.fed()
         n, k = topk_ids.shape
         bucket = _bucket(n, g.buckets)
         if bucket not in g.fed_graphs and not self._capture_fed(bucket):
             return None
+        fed = g.fed(n)
         ids = np.ascontiguousarray(topk_ids.numpy())
         weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
         weights = np.ascontiguousarray(weights.numpy())
+        tokens = torch.empty(n, dtype=torch.int64)
         u, dropped = _route_local(ids.ctypes.data, weights.ctypes.data, n, k, table.ctypes.data, self.pool.shape.num_experts,
-                                  self.plan_table.width, fed.tokens.data_ptr(), fed.ids.data_ptr(), fed.weights.data_ptr(),
-                                  fed.table.data_ptr())
+                                  self.plan_table.width, tokens.data_ptr(), fed.host_ids.data_ptr(),
+                                  fed.host_weights.data_ptr(), fed.host_table.data_ptr())
         if dropped:  # ids outside [0, E) on tokens the step does not see (it counts the others)
             self.errors += dropped
-        tokens = fed.tokens[:u].clone()
+        tokens = tokens[:u]
         if u == 0:
-            return tokens, fed.out[:0]
-        gather(tokens, fed.rows[:u])
-        return tokens, g.run_fed(u)
+            return tokens, fed.out_host[:0]
+        gather(tokens, fed.host_rows[:u])
+        return tokens, g.run_fed(u, bucket)
 
     def _staging(self, tokens: int) -> "HostStaging":
         """This device's host staging buffers, holding at least ``tokens`` rows (shared by the layers)."""
