@@ -44,10 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pingpong", action="store_true",
                         help="with --microbatches >= 2: post a layer's microbatches together and wait for all (no "
                              "overlap of attention and FFN; the A/B baseline of the ping-pong schedule)")
-    parser.add_argument("--spin-us", type=float, default=-1.0, metavar="US",
+    parser.add_argument("--spin-us", type=float, default=0.0, metavar="US",
                         help="shm data plane: busy-poll this long before blocking in every wait on the decode path "
-                             "(attention replies, FFN targets and plans, scheduler demand; 0 = always block); default "
-                             "-1 = auto: 2000 on CUDA nodes with two cores per waiting process, else 0")
+                             "(attention replies, FFN targets and plans, scheduler demand); costs a core per waiting "
+                             "process (default 0: always block; docs/serving.md says what 2000 measured)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
                         help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "

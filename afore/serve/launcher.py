@@ -120,7 +120,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
     exact: bool = False             # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch
     pingpong: bool = True           # microbatches >= 2: microbatch b+1's attention overlaps b's FFN (afore.attention.pingpong)
-    spin_us: float = -1.0           # busy-poll before blocking in the exchange waits (spin_seconds); -1 = auto
+    spin_us: float = 0.0            # busy-poll before blocking in the exchange waits (spin_seconds); 0 = block
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -182,35 +182,23 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"copy_rate_gbps: expected a finite number, got {self.copy_rate_gbps}")
         if self.copy_rate_gbps < 0:
             raise ValueError(f"copy_rate_gbps: expected >= 0 (0 = full rate), got {self.copy_rate_gbps}")
-        if not (math.isfinite(self.spin_us) and (self.spin_us >= 0 or self.spin_us == -1)):
-            raise ValueError(f"spin_us: expected microseconds >= 0, or -1 (auto), got {self.spin_us}")
+        if not (math.isfinite(self.spin_us) and self.spin_us >= 0):
+            raise ValueError(f"spin_us: expected microseconds >= 0, got {self.spin_us}")
 
     @property
     def admin(self) -> int:
         return -1 if self.admin_port < 0 else (self.admin_port or self.port + 1)
 
 
-#: ``--spin-us auto`` where the node has the cores for it: a little longer than one MoE layer's
-#: exchange at decode (post -> reply, about 1-1.5 ms on the H200), so a wait usually ends spinning
-AUTO_SPIN_US = 2000.0
-
-
-def spin_seconds(opts: ServeOptions, cores: int | None = None) -> float:
+def spin_seconds(opts: ServeOptions) -> float:
     """How long the shm data plane's waits busy-poll before blocking (seconds), in every process
     of this node that waits on the decode path: the attention workers (replies), the FFN workers
-    (targets, plans, votes) and the scheduler (demand). A blocked wait costs a wake-up and a cold
-    cache on every exchange (about 50 us each, several per MoE layer); a spinning one costs a
-    core while it waits. ``--spin-us N`` sets it; auto (-1) spins ``AUTO_SPIN_US`` on CUDA nodes
-    with at least two cores per spinning process (A + F + the scheduler here), else not at all
-    (CPU serving: the workers share the cores that compute)."""
-    if opts.spin_us >= 0:
-        return opts.spin_us * 1e-6
-    if opts.device != "cuda":
-        return 0.0
-    here = {"all": opts.attn_workers + opts.ffn_workers + 1, "ffn": opts.ffn_workers + 1,
-            "attention": opts.attn_workers}[opts.role]
-    cores = len(os.sched_getaffinity(0)) if cores is None else cores
-    return AUTO_SPIN_US * 1e-6 if cores >= 2 * here else 0.0
+    (targets, plans, votes) and the scheduler (demand). A blocked wait pays a wake-up per hop; a
+    spinning one a core while it waits. Off unless ``--spin-us N``: on the H200 host
+    (bench/results/serve_cuda_h200_s11_stages.md, 2026-12-03) 2000 us cut the FFN worker's
+    take-up of a target from 44 to 4 us and the attention's wait per MoE layer from 1,040 to
+    902 us, but the decode ITL did not move (9.15 vs 9.12 ms median): not worth the cores."""
+    return opts.spin_us * 1e-6
 
 
 def device_count(device: str) -> int:

@@ -148,22 +148,16 @@ def test_pingpong_option_reaches_the_attention_side(started, argv, pingpong):
     assert role["microbatches"] == 2 and role["pingpong"] is pingpong
 
 
-def test_spin_auto_spins_on_cuda_nodes_with_spare_cores_only():
-    """``--spin-us`` auto (-1): 2000 us on a CUDA node with two cores per waiting process (A + F +
-    the scheduler; the attention node of a split role counts A only), else 0; a set value wins."""
-    from afore.serve.launcher import AUTO_SPIN_US, spin_seconds
+def test_spin_is_off_unless_asked_and_bad_values_are_refused():
+    """``--spin-us``: 0 (every wait blocks) unless set; negative or non-finite values are refused
+    on both the launcher's options and the attention role's config."""
+    from afore.serve.launcher import spin_seconds
 
-    cuda = ServeOptions(device="cuda", colocate=True, attn_workers=1, ffn_workers=2)   # 4 processes wait
-    assert spin_seconds(cuda, cores=8) == pytest.approx(AUTO_SPIN_US * 1e-6)
-    assert spin_seconds(cuda, cores=7) == 0.0
-    assert spin_seconds(ServeOptions(attn_workers=1, ffn_workers=2), cores=64) == 0.0   # CPU: never by default
-    assert spin_seconds(ServeOptions(spin_us=300.0), cores=2) == pytest.approx(300e-6)
-    assert spin_seconds(ServeOptions(device="cuda", spin_us=0.0), cores=64) == 0.0
-    split = ServeOptions(device="cuda", role="attention", ffn_host="10.0.0.2", store_port=29600, attn_workers=4,
-                         ffn_workers=8)
-    assert spin_seconds(split, cores=8) == pytest.approx(AUTO_SPIN_US * 1e-6)
-    for bad in (-2.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="spin_us: expected microseconds >= 0, or -1"):
+    assert spin_seconds(ServeOptions()) == 0.0
+    assert spin_seconds(ServeOptions(device="cuda", colocate=True)) == 0.0
+    assert spin_seconds(ServeOptions(spin_us=300.0)) == pytest.approx(300e-6)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="spin_us: expected microseconds >= 0"):
             ServeOptions(spin_us=bad)
     with pytest.raises(ValueError, match="spin_us"):
         AttentionRoleConfig(num_experts=8, top_k=2, attn_workers=1, ffn_workers=2, moe_layers=[0], store_port=1,
@@ -190,6 +184,6 @@ def test_spin_option_reaches_every_waiting_process(monkeypatch, started):
     monkeypatch.setattr(service_mod, "start_scheduler_process", lambda cfg, **kw: configs.append(cfg) or object())
     launcher.start_scheduler("afore")
     assert configs[0].spin_us == pytest.approx(750.0)
-    # unset on a CPU node: nothing spins
+    # unset: nothing spins
     default = options_from_args(build_parser().parse_args(["serve", "--transport", "shm", "--store-port", "29600"]))
-    assert default.spin_us == -1.0 and launcher_mod.spin_seconds(default) == 0.0
+    assert default.spin_us == 0.0 and launcher_mod.spin_seconds(default) == 0.0
