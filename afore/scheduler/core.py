@@ -80,6 +80,25 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     return plan, SlotTable(new_expert, new_last_used)
 
 
+def schedule_validated(shape: ClusterShape, demand: np.ndarray, table: SlotTable, protected: np.ndarray,
+                       prev_assignment: np.ndarray | None, params: SchedulerParams, cost: CostModel,
+                       target: Target, seq: int) -> tuple[Plan, SlotTable]:
+    """``schedule`` for a policy's own state (``AforePolicy``): demand int64[E] already checked
+    (``Policy.plan``), the slot table, protected slots and previous assignment of its layer state
+    (int32/int64/bool arrays of the shape, as the core returned them), params and cost checked at
+    the policy's construction. Skips ``core_arguments``' type and shape checks (about 6 us per
+    plan on the scheduler's critical path); the core still validates every value, and nanobind
+    every dtype and contiguity."""
+    (replicas, assignment, tiles, slot, copies, tile_load, new_expert, new_last_used,
+     gain_ms, exposed_ms) = scheduler_for(shape).schedule(
+        demand, table.expert, table.last_used, protected, prev_assignment, min(params.theta, THETA_CAP),
+        min(params.copy_budget, shape.num_workers * shape.redundant_slots), cost.beta_tile_ms, cost.copy_ms,
+        cost.window_ms, int(seq), bool(params.chains))
+    plan = Plan(target=target, seq=int(seq), demand=demand.copy(), replicas=replicas, assignment=assignment,
+                tiles=tiles, slot=slot, copies=copies, tile_load=tile_load, gain_ms=gain_ms, exposed_ms=exposed_ms)
+    return plan, SlotTable(new_expert, new_last_used)
+
+
 def _matrix(value: object, field: str, expected: tuple[int, int], dtype: type) -> np.ndarray:
     """A C-contiguous integer matrix of the core's dtype; values are checked in C++."""
     if isinstance(value, np.ndarray) and value.dtype == dtype and value.shape == expected:

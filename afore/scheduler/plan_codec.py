@@ -28,6 +28,11 @@ import msgspec
 import numpy as np
 
 from afore._scheduler_core import decode_plan_entry, plan_checksum
+
+try:
+    from afore._scheduler_core import encode_plan_entry as _native_encode
+except ImportError:  # an older build of the core: the Python encoder serves alone
+    _native_encode = None
 from afore.config import ClusterShape
 from afore.plan import Plan, Target
 
@@ -74,7 +79,22 @@ def max_encoded_length(shape: ClusterShape, max_copies: int | None = None) -> in
 
 
 def encode_plan(plan: Plan) -> bytes:
-    """The wire form of ``plan`` (see the module docstring)."""
+    """The wire form of ``plan`` (see the module docstring): one C++ call (``encode_plan_entry``,
+    the same bytes as ``encode_plan_reference``) on the scheduler's publish path."""
+    if _native_encode is None:
+        return encode_plan_reference(plan)
+    t = plan.target
+    demand = plan.demand if isinstance(plan.demand, np.ndarray) and plan.demand.dtype == np.int64 \
+        else np.asarray(plan.demand, np.int64)
+    return _native_encode(t.step, t.layer, t.microbatch, plan.seq, float(plan.gain_ms), float(plan.exposed_ms),
+                          bool(plan.primary_only), np.ascontiguousarray(demand), *(
+                              np.ascontiguousarray(a, dtype=_I32) for a in (plan.assignment, plan.tiles, plan.slot,
+                                                                            plan.tile_load, plan.copies)),
+                          FORMAT_VERSION)
+
+
+def encode_plan_reference(plan: Plan) -> bytes:
+    """``encode_plan`` in Python (msgspec for the header): the specification of the bytes."""
     e, f = plan.assignment.shape
     copies = np.asarray(plan.copies).reshape(-1, 4)
     if np.asarray(plan.demand).max(initial=0) > _I32_MAX:

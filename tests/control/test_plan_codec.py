@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from afore.config import ClusterShape
 from afore.plan import Target, check_plan, primary_only_plan
@@ -158,3 +158,23 @@ def test_checksum_is_xxh64_of_everything_after_the_prefix():
     assert checksum(bytes(12)) == 0x51D8E999
     assert checksum(bytes(12) + b"a") == 0xA98C6E5B  # XXH64("a") = 0xD24EC4F1A98C6E5B
     assert checksum(bytes(12) + b"a") != checksum(bytes(12) + b"b")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), step=st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**62]),
+       seq=st.sampled_from([0, 5, 200, 70000, 2**40]), gain=st.floats(-1e6, 1e6), primary=st.booleans())
+def test_native_encoder_writes_the_reference_bytes(make_plan, seed, step, seq, gain, primary):
+    """``encode_plan`` (one C++ call) writes exactly the bytes of ``encode_plan_reference``
+    (msgspec's header: every msgpack integer width, float64, both booleans; the body; the
+    checksum), and a demand count beyond int32 is refused by both."""
+    from afore.scheduler.plan_codec import encode_plan_reference
+
+    rng = np.random.default_rng(seed)
+    plan = make_plan(SHAPE, rng, Target(step, seed % 3, seed % 2), seq)
+    plan.gain_ms, plan.exposed_ms, plan.primary_only = gain, abs(gain) / 3, primary
+    assert encode_plan(plan) == encode_plan_reference(plan)
+    plan.demand = plan.demand.copy()
+    plan.demand[0] = 2**31
+    for encode in (encode_plan, encode_plan_reference):
+        with pytest.raises(ValueError, match="demand: expected counts <= 2147483647"):
+            encode(plan)

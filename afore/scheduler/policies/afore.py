@@ -32,10 +32,27 @@ class AforePolicy(Policy):
     def __init__(self, *args, **options) -> None:
         super().__init__(*args, **options)
         self.schedule = scheduler_fn(self.options["impl"])
+        self._validated = None
+        if self.options["impl"] == "core":
+            from afore.scheduler.core import schedule_validated
+
+            self._validated = schedule_validated
 
     def _plan(self, target: Target, seq: int, demand: np.ndarray, state: LayerState) -> tuple[Plan, SlotTable]:
-        return self.schedule(self.shape, demand, state.table, state.protected(self.shape), state.prev_assignment,
-                             self.params, self.cost, target, seq)
+        protected, prev = state.protected(self.shape), state.prev_assignment
+        if self._validated is not None and _own_state(state, protected, prev):
+            # the layer's state as the core made it: no need to check its types again
+            return self._validated(self.shape, demand, state.table, protected, prev, self.params, self.cost, target, seq)
+        return self.schedule(self.shape, demand, state.table, protected, prev, self.params, self.cost, target, seq)
+
+
+def _own_state(state: LayerState, protected: np.ndarray, prev: np.ndarray | None) -> bool:
+    """The layer state's arrays have the core's dtypes and are contiguous (always, unless a state
+    was handed in from outside: ``Policy.set_state``, the slot resync)."""
+    t = state.table
+    return (t.expert.dtype == np.int32 and t.last_used.dtype == np.int64 and protected.dtype == np.bool_
+            and t.expert.flags.c_contiguous and t.last_used.flags.c_contiguous and protected.flags.c_contiguous
+            and (prev is None or (prev.dtype == np.int32 and prev.flags.c_contiguous)))
 
 
 @register("afore-no-overlap")
