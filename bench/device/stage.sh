@@ -5,7 +5,7 @@
 #     copied to /tmp/w; once all pieces and unpack.sh are there, vLLM is unpacked into /tmp/site;
 #   - .devcarry/mini/*.whl (pip download --no-deps ... msgspec prometheus_client psutil safetensors
 #     pytest pluggy iniconfig packaging pygments fastapi starlette uvicorn pydantic pydantic-core anyio
-#     sniffio h11 click typing_extensions typing-inspection annotated-types idna highspy py-spy; fastapi<0.137:
+#     sniffio h11 click typing_extensions typing-inspection annotated-types idna highspy; fastapi<0.137:
 #     0.165 imports opentelemetry, which the host lacks): installed into
 #     /tmp/site once, only the packages the host's Python lacks;
 #   - afore's C++ extensions: built once with cmake (bench/device/build_afore.sh), plus a dist-info
@@ -42,6 +42,13 @@ if [ ! -f /tmp/site/.mini ] && ls .devcarry/mini/*.whl > /dev/null 2>&1; then
   done
   [ -z "$need" ] || python3 -m pip install -q --no-deps --no-index --no-compile --target /tmp/site $need 2>&1 | grep -v WARNING | tail -3
   touch /tmp/site/.mini
+fi
+# py-spy (serve_cuda.sh samples the first afore server with it) does not fit beside piece-00: carry
+# .devcarry/spare (its wheel) with piece-01 or piece-02; unpacked here without pip's script handling
+if [ ! -x /tmp/site/bin/py-spy ] && ls .devcarry/spare/py_spy-*.whl > /dev/null 2>&1; then
+  mkdir -p /tmp/site/bin /tmp/pyspy && python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/pyspy')" \
+    .devcarry/spare/py_spy-*.whl && cp /tmp/pyspy/py_spy-*.data/scripts/py-spy /tmp/site/bin/ && chmod +x /tmp/site/bin/py-spy \
+    || echo "py-spy: could not unpack .devcarry/spare"
 fi
 if [ ! -d /tmp/site/vllm ] && [ -f .devcarry/vllm-bundle/unpack.sh ]; then
   n=$(ls /tmp/w/piece-* 2>/dev/null | wc -l)
