@@ -58,3 +58,28 @@ def test_bench_scheduler_without_chains_plans_the_paper_algorithm(tmp_path):
 def test_bench_scheduler_bad_arguments(capsys):
     assert main(["bench", "scheduler", "--eps", "0"]) == 2
     assert "eps" in capsys.readouterr().err
+
+
+def test_holdout_retries_unproven_targets_with_the_longer_limit(monkeypatch):
+    """``--holdout-retry-limit S``: a hold-out target the MILP left at the time limit is certified
+    again with S seconds (and marked retried); proven ones are not certified twice; 0 = no retry."""
+    from afore.bench import scheduler as bench
+    from afore.config import CostModel
+    from afore.scheduler.optimal import Certificate
+
+    calls = []
+
+    def fake_certify(shape, demand, table, protected, params, time_limit_s, incumbent=None):
+        calls.append(time_limit_s)
+        first = len(calls) % 2 == 1
+        return Certificate(optimum=None if first else 7, lower_bound=6, upper_bound=7,
+                           status="time-limit" if first else "optimal", method="milp", solve_s=time_limit_s)
+
+    monkeypatch.setattr(bench, "certify", fake_certify)
+    config = {"holdout": 2, "seed": 0, "time_limit_s": 2.0, "repeats": 1, "holdout_retry_limit_s": 30.0}
+    rows = bench.bench_holdout("cold", config, CostModel())
+    assert calls == [2.0, 30.0, 2.0, 30.0]
+    assert all(r["retried"] and r["status"] == "optimal" and r["optimum"] == 7 for r in rows)
+    calls.clear()
+    rows = bench.bench_holdout("cold", {**config, "holdout_retry_limit_s": 0.0}, CostModel())
+    assert calls == [2.0, 2.0] and not any(r["retried"] for r in rows)
