@@ -221,28 +221,20 @@ def _time_gpu_parts(stats: dict) -> None:
         stats["_gather_end"] = time.perf_counter_ns()
 
     _HostRows.gather_into = timed_gather
-    run = graphs.StepGraphs.run
+    def with_events(run):
+        def timed(self, *args):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = run(self, *args)
+            end.record()
+            stats["_replay_events"] = (start, end)
+            return out
 
-    def timed_run(self, *args):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = run(self, *args)
-        end.record()
-        stats["_replay_events"] = (start, end)
-        return out
+        return timed
 
-    graphs.StepGraphs.run = timed_run
-    run_fed = graphs.StepGraphs.run_fed
-
-    def timed_run_fed(self, *args):  # the copy in, the replay, the copy back and the wait
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = run_fed(self, *args)
-        end.record()
-        stats["_replay_events"] = (start, end)
-        return out
-
-    graphs.StepGraphs.run_fed = timed_run_fed
+    # the launched path's replay; the host-fed one: the copy in, the replay, the copy back, the wait
+    graphs.StepGraphs.run = with_events(graphs.StepGraphs.run)
+    graphs.StepGraphs.run_fed = with_events(graphs.StepGraphs.run_fed)
 
 
 def _gpu_rest(stats: dict) -> None:

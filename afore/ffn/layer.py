@@ -93,9 +93,9 @@ class FFNLayer:
     def capture_graphs(self, buckets: tuple[int, ...] | None = None, host_fed: bool = False) -> None:
         """Capture (and tune) the step's graph for each token bucket now, e.g. at start-up, so
         that no step pays for it (synchronises; a no-op without graphs). ``host_fed``: the graphs
-        of ``forward_host_routed`` (copies from host buffers captured with the step) instead of
-        those of ``forward``; if the device cannot capture them, host-fed steps launch their
-        copies one by one (logged once)."""
+        of ``forward_host_routed`` (the step on a bucket's packed input buffer,
+        ``StepGraphs.capture_fed``) instead of those of ``forward``; if they cannot be captured,
+        host-fed steps take the launched path (logged once)."""
         if self.graphs is None:
             return
         shape = self.pool.shape
@@ -111,7 +111,7 @@ class FFNLayer:
     def _capture_fed(self, bucket: int) -> bool:
         try:
             self.graphs.capture_fed(bucket)
-        except RuntimeError as exc:  # e.g. no page-locked memory: the copies run one by one instead
+        except RuntimeError as exc:  # e.g. no pinned memory left: the launched path (a copy per input) instead
             import logging
 
             logging.getLogger(__name__).warning("host-fed FFN step graphs unavailable (%s): copies are launched "
@@ -272,7 +272,7 @@ class FFNLayer:
             return None
         g = self.graphs
         n, k = topk_ids.shape
-        bucket = _bucket(n, g.buckets)
+        bucket = self._bucket(n)
         if bucket not in g.fed_graphs and not self._capture_fed(bucket):
             return None
         fed = g.fed(n)
@@ -380,12 +380,6 @@ try:
     from afore._ffn import route_local as _route_local
 except ImportError:  # an older build of the extension: numpy routes, the copies are launched one by one
     _route_local = None
-
-
-def _bucket(tokens: int, buckets: tuple[int, ...]) -> int | None:
-    from afore.ffn.graphs import bucket_for
-
-    return bucket_for(tokens, buckets)
 
 
 def host_route(topk_ids: np.ndarray, table: np.ndarray, num_experts: int) -> HostRoute:

@@ -72,6 +72,11 @@ def schedule(shape: ClusterShape, demand: object, table: SlotTable, protected: o
     """Plan one target with Algorithm 1 (C++). Same contract as ``algorithm.schedule``."""
     args = core_arguments(shape, demand, table, protected, prev_assignment, params, cost,
                           target, seq)
+    return _core_plan(shape, args, target, seq)
+
+
+def _core_plan(shape: ClusterShape, args: tuple, target: Target, seq: int) -> tuple[Plan, SlotTable]:
+    """Run the core on ``Scheduler.schedule``'s positional ``args`` and wrap its arrays."""
     (replicas, assignment, tiles, slot, copies, tile_load, new_expert, new_last_used,
      gain_ms, exposed_ms) = scheduler_for(shape).schedule(*args)
     plan = Plan(target=target, seq=int(seq), demand=args[0].copy(), replicas=replicas,
@@ -89,14 +94,10 @@ def schedule_validated(shape: ClusterShape, demand: np.ndarray, table: SlotTable
     the policy's construction. Skips ``core_arguments``' type and shape checks (about 6 us per
     plan on the scheduler's critical path); the core still validates every value, and nanobind
     every dtype and contiguity."""
-    (replicas, assignment, tiles, slot, copies, tile_load, new_expert, new_last_used,
-     gain_ms, exposed_ms) = scheduler_for(shape).schedule(
-        demand, table.expert, table.last_used, protected, prev_assignment, min(params.theta, THETA_CAP),
-        min(params.copy_budget, shape.num_workers * shape.redundant_slots), cost.beta_tile_ms, cost.copy_ms,
-        cost.window_ms, int(seq), bool(params.chains))
-    plan = Plan(target=target, seq=int(seq), demand=demand.copy(), replicas=replicas, assignment=assignment,
-                tiles=tiles, slot=slot, copies=copies, tile_load=tile_load, gain_ms=gain_ms, exposed_ms=exposed_ms)
-    return plan, SlotTable(new_expert, new_last_used)
+    args = (demand, table.expert, table.last_used, protected, prev_assignment, min(params.theta, THETA_CAP),
+            min(params.copy_budget, shape.num_workers * shape.redundant_slots), cost.beta_tile_ms, cost.copy_ms,
+            cost.window_ms, int(seq), bool(params.chains))
+    return _core_plan(shape, args, target, seq)
 
 
 def _matrix(value: object, field: str, expected: tuple[int, int], dtype: type) -> np.ndarray:

@@ -16,7 +16,9 @@ md=$OUT/hotpath_h200.md
   echo "# Decode hot path per target on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(nproc) CPUs"
   echo
   echo "Command per row: \`python -m afore.bench.hotpath --device cuda --experts 128 --top-k 8 --hidden 2048"
-  echo "--intermediate 768 --ffn-workers F --tokens T --targets ${TARGETS:-300}\` (one process; medians in us; measured)."; } > "$md"
+  echo "--intermediate 768 --ffn-workers F --tokens T --targets ${TARGETS:-300}\` (one process; medians in us; measured)."
+  echo "Costs per stage, not a floor comparison: \`afore bench dataplane --part ffn\` compares the FFN step with the HBM floor,"
+  echo "\`bench/device/serve_cuda.sh\` the served decode with plain vLLM in the same run."; } > "$md"
 echo "[" > "$OUT/hotpath_h200.json"; first=1
 for f in 1; do for t in ${TOKENS:-1 8 16}; do
   timeout ${HP_TIMEOUT:-240} python3 -m afore.bench.hotpath --device cuda --experts 128 --top-k 8 --hidden 2048 \

@@ -54,6 +54,24 @@ def random_case(shape, n, seed):
     return rng, w13, w2, hidden, ids, weights, np.bincount(ids.reshape(-1).numpy(), minlength=e)
 
 
+def routed_case(shape, n, seed, fill, bad, stale):
+    """(w13, w2, hidden, ids int32, weights, slot table, plan) of one host-routed case: ``bad`` ids
+    set outside [0, E), a plan with up to 3 new copies over a table filled to ``fill``, made for
+    permuted demand when ``stale``."""
+    rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
+    ids = ids.to(torch.int32)
+    e = shape.num_experts
+    if stale:
+        demand = rng.permutation(demand)
+    if n and bad:
+        flat = ids.view(-1)
+        flat[torch.from_numpy(rng.choice(flat.numel(), min(bad, flat.numel()), replace=False))] = \
+            torch.tensor([-1, e, e + 5][:min(bad, flat.numel())], dtype=ids.dtype)
+    table = random_slot_table(shape, rng, fill)
+    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
+    return w13, w2, hidden, ids, weights, table, plan
+
+
 shapes = st.builds(
     lambda e, f, r, k, m: ClusterShape(num_experts=max(e, f), num_workers=f, redundant_slots=r,
                                        top_k=min(k, max(e, f)), m_tile=m),
@@ -144,17 +162,8 @@ def test_host_routed_step_equals_the_dense_step(shape, n, seed, fill, bad, stale
     those, its rows equal the full step's rows of those tokens bit for bit (the same pairs in the
     same groups), ids outside [0, E) are counted once whether or not their token is kept, also for a
     plan made for other demand."""
-    rng, w13, w2, hidden, ids, weights, demand = random_case(shape, n, seed)
-    ids = ids.to(torch.int32)
+    w13, w2, hidden, ids, weights, table, plan = routed_case(shape, n, seed, fill, bad, stale)
     e = shape.num_experts
-    if stale:
-        demand = rng.permutation(demand)
-    if n and bad:
-        flat = ids.view(-1)
-        flat[torch.from_numpy(rng.choice(flat.numel(), min(bad, flat.numel()), replace=False))] = \
-            torch.tensor([-1, e, e + 5][:min(bad, flat.numel())], dtype=ids.dtype)
-    table = random_slot_table(shape, rng, fill)
-    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
     pools = make_pools(shape, table, w13, w2)
     apply_copies(pools, plan, w13, w2)
     owner = torch.as_tensor(shape.primary_owner)
@@ -195,17 +204,8 @@ def test_native_route_local_equals_host_route(shape, n, seed, fill, bad, stale):
     from afore.ffn.device_plan import DevicePlan
     from afore.ffn.layer import host_route
 
-    rng, _, _, _, ids, weights, demand = random_case(shape, n, seed)
-    ids = ids.to(torch.int32)
+    _, _, _, ids, weights, _, plan = routed_case(shape, n, seed, fill, bad, stale)
     e, k = shape.num_experts, shape.top_k
-    if stale:
-        demand = rng.permutation(demand)
-    if n and bad:
-        flat = ids.view(-1)
-        flat[torch.from_numpy(rng.choice(flat.numel(), min(bad, flat.numel()), replace=False))] = \
-            torch.tensor([-1, e, e + 5][:min(bad, flat.numel())], dtype=ids.dtype)
-    table = random_slot_table(shape, rng, fill)
-    plan, _ = random_plan(shape, demand, table, rng, Target(0, 0, 0), seq=1, new_copies=int(rng.integers(0, 4)))
     ids_np, weights_np = ids.numpy().copy(), weights.float().numpy().copy()
     for w in range(shape.num_workers):
         dp = DevicePlan(shape, w, int(shape.primary_counts[w]) + shape.redundant_slots, "cpu")
