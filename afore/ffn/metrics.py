@@ -14,6 +14,10 @@ Families (label ``worker``: this worker's rank; ``layer``: MoE layer ordinal; ba
   afore_ffn_exposed_copy_wait_seconds        copy time left on the critical path at commit
   afore_ffn_lookahead_window_seconds         copy submission -> commit of the same target
   afore_ffn_stage_seconds                    receive -> reply of one target on this worker
+  afore_ffn_plan_seconds                     the replicated planner's policy time per target
+                                             (``--planner workers``: this worker made the plan)
+  afore_ffn_planner_resets_total             replicated planner: restarts from empty slots after
+                                             a failed vote (every worker at the same target)
   afore_ffn_queued_targets                   gauge: targets received and waiting
   afore_ffn_tile_imbalance{layer,placement}  histogram: max/mean tile load of each executed
                                              target, placement = plan | primary_only
@@ -120,6 +124,10 @@ class FFNMetrics:
                                         "copy submission to commit of the same target", SECONDS_BUCKETS).labels(w)
         self.stage_seconds = histogram("afore_ffn_stage_seconds", "receive-to-reply time of a target on this worker",
                                        SECONDS_BUCKETS).labels(w)
+        self.plan_seconds = histogram("afore_ffn_plan_seconds", "replicated planner: policy time of a target's "
+                                      "plan on this worker", SECONDS_BUCKETS).labels(w)
+        self.planner_resets = counter("afore_ffn_planner_resets", "replicated planner: restarts from empty "
+                                      "redundant slots after a failed vote").labels(w)
         self.queued = Gauge("afore_ffn_queued_targets", "targets received and waiting (lookahead depth)", ("worker",),
                             registry=r, multiprocess_mode="livesum").labels(w)
         self._imbalance = Histogram("afore_ffn_tile_imbalance", "max/mean tile load over the FFN workers of each "

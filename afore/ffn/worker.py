@@ -5,7 +5,8 @@ Loop, per target t (``FFNWorker.step``)::
     receive t                 gathered inputs of all A attention workers (the transport keeps
                               t+1 queued behind t: the lookahead)
     plan t                    the plan prepared while t-1 ran, else PlanSource.get(t) until the
-                              deadline; all F workers agree to use it (else primary-only, a miss)
+                              deadline (or made here: ``policy``, the replicated planner); all F
+                              workers agree to use it (else primary-only, a miss)
     read plan t+1, copies     if t+1 has arrived: validate its plan and submit its copies on the
                               side stream, overlapping t's compute
     commit, partition, compute, release
@@ -39,7 +40,7 @@ import msgspec
 import numpy as np
 import torch
 
-from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape
+from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape, CostModel, SchedulerParams
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
 from afore.ffn.stages import ffn_trace
@@ -75,6 +76,12 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     m_tile: int = 16
     plan_ring: str = ""               # PlanRing name; "" = no scheduler (primary-only plans)
     plan_timeout_ms: float = 5.0      # deadline for a target's plan at commit
+    # the replicated planner (afore serve --planner workers): this worker plans every target itself
+    # with this policy, params and cost, as every other worker does (ReplicatedPlanSource); "" = the
+    # scheduler's plans from plan_ring (or none)
+    policy: str = ""
+    params: SchedulerParams = SchedulerParams()
+    cost: CostModel = CostModel()
     metrics_port: int = 0             # 0 = no HTTP endpoint
     copy_delay_ms: float = 0.0        # artificial delay per copy (CPU tests)
     # The pool's shape as afore serve's launcher computed it once (m_tile, primary layout and all),
@@ -108,6 +115,16 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_tokens: expected >= 1 with shm_segment, got {self.max_tokens}")
         if self.exact and not self.shm_segment:
             raise ValueError("exact: needs the shm transport (shm_segment), whose replies carry a row per pair")
+        if self.policy:
+            from afore.scheduler.policies import POLICY_NAMES
+
+            if self.policy not in POLICY_NAMES:
+                raise ValueError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+            if self.plan_ring:
+                raise ValueError("policy, plan_ring: expected one planner (this worker's policy or the scheduler's ring), got both")
+            if not self.device.startswith("cpu") and not self.shm_segment:
+                raise ValueError("policy: the replicated planner needs each target's ids on the host (a CPU worker or "
+                                 "the shm transport); torch.distributed on a GPU delivers them on the device")
 
 
 def check_shape_fits(shape: ClusterShape, spec, num_ffn: int) -> None:
@@ -165,6 +182,10 @@ class FFNWorker:
 
             wait_for_segment(cfg.plan_ring, cfg.timeout_s)
             plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape, spin_s=cfg.spin_us * 1e-6)
+        if plan_source is None and cfg.policy:
+            from afore.migrator.plan_source import ReplicatedPlanSource
+
+            plan_source = ReplicatedPlanSource(cfg.policy, self.shape, cfg.params, cfg.cost)
         self.plan_source = plan_source
         # the measured lookahead windows, fed back to the scheduler (afore.scheduler.window_feedback)
         self.window_reporter = None
@@ -231,10 +252,18 @@ class FFNWorker:
 
     # ------------------------------------------------------------------ plans
 
-    def _read_plan(self, mb: Microbatch, timeout_s: float) -> Plan | None:
-        if self.plan_source is None:
+    def _read_plan(self, mb: Microbatch, timeout_s: float, routed: np.ndarray | None) -> Plan | None:
+        source = self.plan_source
+        if source is None:
             return None
-        return self.plan_source.get(mb.target, mb.seq, timeout_s)
+        if not source.needs_demand:
+            return source.get(mb.target, mb.seq, timeout_s)
+        if routed is None:
+            raise ValueError("the replicated planner needs the target's ids on the host")
+        plan = source.get(mb.target, mb.seq, timeout_s, routed)
+        if plan is not None:
+            self.metrics.plan_seconds.observe(source.plan_seconds)
+        return plan
 
     def _candidate(self, mb: Microbatch) -> Plan | None:
         """This worker's view of ``mb``'s plan before the vote: the scheduler's plan if it came in
@@ -245,7 +274,7 @@ class FFNWorker:
         self._routed = routed = self._routed_counts(mb)
         plan = self._early.pop(mb.seq, None)
         if plan is None:
-            plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3)
+            plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3, routed)
             if plan is None:
                 self.metrics.count_plan("missed")
             elif not self._accept(plan, mb):
@@ -275,10 +304,29 @@ class FFNWorker:
             return candidate
         if candidate is not None:
             self.migrator.forget(candidate)
+        if self.plan_source is not None and self.plan_source.needs_demand:
+            self._restart_planner(mb)
         if self.slot_reporter is not None and self.plan_source is not None:
             # the scheduler projected this plan's copies onto every worker: tell it what this one holds
             self.slot_reporter.report(mb.seq, {layer: rows.astype(np.int32) for layer, rows in self.migrator.projected.items()})
         return self._primary_only(mb)
+
+    def _restart_planner(self, mb: Microbatch) -> None:
+        """The replicated planner after a failed vote on ``mb``: some worker did not apply a plan
+        every other worker applied, so the policy's projected slot tables may be wrong for it.
+        Every worker sees the same vote, so every worker does this at the same target: drop the
+        plans read ahead (made on the old state), empty the redundant slots (the migrator's
+        projection; their contents are overwritten by later copies) and start the policy afresh
+        from ``mb``, so that the next plans are made from the same empty state everywhere."""
+        for plan in self._early.values():
+            if plan is not None:
+                self.migrator.forget(plan)
+        self._early.clear()
+        self.migrator.empty_redundant_slots()
+        self.plan_source.reset(mb.seq)
+        self.metrics.planner_resets.inc()
+        log.warning("worker %d: the FFN workers did not agree on plan %d: replicated planner restarted from "
+                    "empty redundant slots", self.cfg.rank, mb.seq)
 
     def _primary_only(self, mb: Microbatch) -> Plan:
         routed = self._routed
@@ -312,7 +360,7 @@ class FFNWorker:
         nxt = self.connector.peek()
         if nxt is None or nxt.seq in self._early or self.plan_source is None:
             return
-        plan = self._read_plan(nxt, 0.0)
+        plan = self._read_plan(nxt, 0.0, self._routed_counts(nxt) if self.plan_source.needs_demand else None)
         if plan is not None and not self._accept(plan, nxt):
             self.metrics.count_plan("rejected")
             plan = None

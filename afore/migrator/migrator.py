@@ -320,6 +320,15 @@ class Migrator:
         if plan.seq in self.prepared:
             self.release(plan)
 
+    def empty_redundant_slots(self) -> None:
+        """Treat every redundant slot as empty from now on (the projection: a later plan copies
+        into it before reading it; what is there is overwritten in copy-stream order, after the
+        reads fenced so far). Only between targets: no plan may be prepared."""
+        if self.prepared:
+            raise RuntimeError(f"empty_redundant_slots: plans {sorted(self.prepared)} are still prepared")
+        for projected in self.projected.values():
+            projected[:] = -1
+
     def _submit(self, layer: int, copies: list[tuple[int, int, int]], paced: bool = True) -> CopyBatch:
         """``paced``: the batch's deadline comes from the measured windows; False: deadline 0 (full rate)."""
         pool = self.pools[layer]

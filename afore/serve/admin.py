@@ -66,6 +66,8 @@ class Status(pydantic.BaseModel):
     model: str = pydantic.Field(description="checkpoint directory served")
     attn_workers: int
     ffn_workers: int
+    planner: str | None = pydantic.Field(None, description="who plans each target: scheduler (the scheduler process) or "
+                                                         "workers (every FFN worker, replicated); absent on role attention")
     processes: dict[str, ProcessStatus] = pydantic.Field(description="child processes by name: scheduler, ffn-<w>, vllm")
     ffn_ready: int | None = pydantic.Field(None, description="role ffn: FFN workers loaded and connected")
     ffn_node: str | None = pydantic.Field(None, description="role attention: the FFN node's store address")

@@ -8,7 +8,7 @@ import sys
 
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.scheduler.policies import POLICY_NAMES
-from afore.serve.launcher import PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, default_microbatches, serve
+from afore.serve.launcher import PLANNERS, PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, default_microbatches, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shm data plane: busy-poll this long before blocking in every wait on the decode path "
                              "(attention replies, FFN targets and plans, scheduler demand); costs a core per waiting "
                              "process (default 0: always block; docs/serving.md says what 2000 measured)")
+    parser.add_argument("--planner", default="scheduler", choices=PLANNERS,
+                        help="who plans each target: the scheduler process (demand mailbox -> policy -> plan ring; the "
+                             "policy can be switched while serving) or every FFN worker itself, replicated (the same "
+                             "deterministic policy on the same routed counts: no demand, plan or process hop on the "
+                             "decode path; one node, the shm transport on cuda)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
                         help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "
@@ -108,7 +113,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         enforce_eager=args.enforce_eager, seed=args.seed, start_timeout_s=args.start_timeout,
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
                         primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration,
-                        exact=args.exact, pingpong=not args.no_pingpong, spin_us=args.spin_us)
+                        exact=args.exact, pingpong=not args.no_pingpong, spin_us=args.spin_us,
+                        planner=args.planner)
 
 
 def run(args: argparse.Namespace) -> int:

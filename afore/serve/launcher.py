@@ -68,6 +68,11 @@ TRANSPORTS = ("auto", "shm", "torch-nccl", "torch-gloo")
 # Primary layouts: contiguous blocks (ClusterShape's default) or co-clustered by expert affinity
 # (afore.affinity; the scheduler and every FFN worker use the same ClusterShape.primaries).
 PRIMARY_LAYOUTS = ("contiguous", "affinity")
+# Who plans each target: the scheduler process (demand mailbox -> policy -> plan ring, the paper's
+# layout), or every FFN worker itself, replicated (afore.migrator.plan_source.ReplicatedPlanSource):
+# the same deterministic policy on the same routed counts, so no demand, plan or process hop
+# stands between a target's tokens and its compute.
+PLANNERS = ("scheduler", "workers")
 
 
 def default_microbatches(device: str) -> int:
@@ -121,6 +126,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exact: bool = False             # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch
     pingpong: bool = True           # microbatches >= 2: microbatch b+1's attention overlaps b's FFN (afore.attention.pingpong)
     spin_us: float = 0.0            # busy-poll before blocking in the exchange waits (spin_seconds); 0 = block
+    planner: str = "scheduler"      # PLANNERS
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -184,6 +190,13 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"copy_rate_gbps: expected >= 0 (0 = full rate), got {self.copy_rate_gbps}")
         if not (math.isfinite(self.spin_us) and self.spin_us >= 0):
             raise ValueError(f"spin_us: expected microseconds >= 0, got {self.spin_us}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner: expected one of {', '.join(PLANNERS)}, got {self.planner!r}")
+        if self.planner == "workers" and self.role != "all":
+            raise ValueError(f"planner: --planner workers needs every worker on one node (--role all), got --role {self.role}")
+        if self.planner == "workers" and self.device == "cuda" and not uses_shm(self):
+            raise ValueError(f"planner: --planner workers on cuda needs --transport shm (the FFN workers plan from "
+                             f"the ids on the host), got --transport {self.transport}")
 
     @property
     def admin(self) -> int:
@@ -384,6 +397,8 @@ class Launcher:
         opts = self.opts
         phases = {"all": ["scheduler", "FFN workers", "vLLM"], "ffn": ["scheduler", "FFN workers"],
                   "attention": ["FFN node", "vLLM"]}[opts.role]
+        if opts.planner == "workers":  # every FFN worker plans itself: no scheduler process
+            phases.remove("scheduler")
         steps = tqdm(total=1 + len(phases), desc=f"afore serve ({opts.role})", unit="step", file=sys.stderr)
         try:
             steps.set_postfix_str("model")
@@ -444,18 +459,25 @@ class Launcher:
                             num_layers=len(self.spec.moe_layer_indices), redundant_slots=self.opts.redundant_slots,
                             top_k=self.spec.top_k, primaries=primaries)
 
-    def start_scheduler(self, policy: str) -> None:
+    def planning(self) -> tuple:
+        """(SchedulerParams, CostModel) that the policy plans with, wherever it runs (the
+        scheduler process, or every FFN worker under ``--planner workers``)."""
         from afore.config import SchedulerParams
         from afore.scheduler.calibration import serving_cost_model
+
+        return (SchedulerParams(copy_budget=self.opts.copy_budget),
+                serving_cost_model(self.opts.calibration, self.opts.device, self.spec.hidden_size,
+                                   self.spec.moe_intermediate_size, self.dtype, self.shape().m_tile))
+
+    def start_scheduler(self, policy: str) -> None:
         from afore.scheduler.service import ServiceConfig, start_scheduler_process
 
         # role ffn: the attention workers are on another node and send demand to a receiver here
         listen = f"{self.opts.host}:{self.opts.demand_port}" if self.opts.role == "ffn" else ""
+        params, cost = self.planning()
         cfg = ServiceConfig(shape=self.shape(), policy=policy, mailbox=self.mailbox_name, ring=self.ring_name,
                             num_producers=self.opts.attn_workers, num_microbatches=self.opts.microbatches,
-                            params=SchedulerParams(copy_budget=self.opts.copy_budget),
-                            cost=serving_cost_model(self.opts.calibration, self.opts.device, self.spec.hidden_size,
-                                                    self.spec.moe_intermediate_size, self.dtype, self.shape().m_tile),
+                            params=params, cost=cost,
                             listen=listen, spin_us=spin_seconds(self.opts) * 1e6)  # token: from the environment
         proc = start_scheduler_process(cfg, env=self.child_env(), **CHILD_POPEN, **self.output.popen_kwargs())
         self.scheduler = Child("scheduler", proc)
@@ -518,12 +540,16 @@ class Launcher:
         from afore.ffn.worker import FFNWorkerConfig
 
         opts, shape = self.opts, self.shape()
+        planner = {"plan_ring": self.ring_name}
+        if opts.planner == "workers":  # this worker plans every target itself (ReplicatedPlanSource)
+            params, cost = self.planning()
+            planner = {"policy": self.policy, "params": params, "cost": cost}
         return FFNWorkerConfig(rank=rank, num_ffn=opts.ffn_workers, num_attention=opts.attn_workers, model=self.model,
                                host=store_host, port=self.store_port, device=self._worker_device(device_index),
                                dtype=self.dtype, backend=self.backend, redundant_slots=shape.redundant_slots,
-                               m_tile=shape.m_tile, copy_rate_gbps=opts.copy_rate_gbps, plan_ring=self.ring_name,
+                               m_tile=shape.m_tile, copy_rate_gbps=opts.copy_rate_gbps,
                                timeout_s=max(opts.start_timeout_s, opts.exchange_timeout_s), shape=shape,
-                               spin_us=spin_seconds(opts) * 1e6, **self._shm_fields())
+                               spin_us=spin_seconds(opts) * 1e6, **planner, **self._shm_fields())
 
     def _shm_fields(self) -> dict:
         """The shm transport's FFN worker fields (segment, tokens per target, targets in flight);
@@ -558,7 +584,8 @@ class Launcher:
                                    hidden=self.spec.hidden_size, store_host=self.opts.ffn_host if split else self.transport_host,
                                    dtype=self.dtype, device=self.opts.device,
                                    backend=self.backend,
-                                   microbatches=self.opts.microbatches, mailbox="" if split else self.mailbox_name,
+                                   microbatches=self.opts.microbatches,
+                                   mailbox="" if split or self.opts.planner == "workers" else self.mailbox_name,
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
                                    shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
@@ -620,7 +647,9 @@ class Launcher:
             "processes": {c.name: {"pid": c.proc.pid, "alive": child_running(c.proc)} for c in self.children()},
         }
         if self.opts.role != "attention":
-            out["scheduler"] = self.supervisor.scheduler.report(time.monotonic())
+            out["planner"] = self.opts.planner
+            out["scheduler"] = (self.supervisor.scheduler.report(time.monotonic()) if self.opts.planner == "scheduler"
+                                else {"state": "workers"})
         if self.store is not None:
             from afore.transport.connector import ffn_ready_key
 
@@ -631,7 +660,7 @@ class Launcher:
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) of the admin ``GET /health`` (afore.serve.supervisor)."""
-        return self.supervisor.health(self.status()["processes"], self.opts.role)
+        return self.supervisor.health(self.status()["processes"], self.opts.role, self.opts.planner)
 
     def switch_policy(self, policy: str, timeout_s: float = 120.0) -> None:
         """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans.
@@ -644,6 +673,10 @@ class Launcher:
         if self.opts.role == "attention":
             raise ValueError(f"policy: the scheduler runs on the FFN node ({self.opts.ffn_host}); "
                              "switch the policy at that node's admin endpoint")
+        if self.opts.planner == "workers":
+            raise ValueError(f"policy: with --planner workers every FFN worker plans with the policy it started with "
+                             f"({self.policy}); restart afore serve with --policy {policy}, or serve with --planner "
+                             f"scheduler to switch policies while serving")
         if threading.current_thread() is self._main_thread:
             return self._restart_scheduler(policy)
         done: dict = {"event": threading.Event()}

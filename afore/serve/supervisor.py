@@ -45,6 +45,7 @@ class SchedulerState:
     """What ``/health`` and ``/afore/status`` report about the scheduler (times: CLOCK_MONOTONIC s)."""
 
     state: str = "running"  # running | restarting | failed | stopped (role attention: no scheduler here)
+    #                         | workers (--planner workers: the FFN workers plan, no scheduler process)
     restarts: int = 0
     last_exit: int | None = None
     down_since: float | None = None
@@ -120,16 +121,19 @@ class SchedulerSupervisor:
         s.state, s.down_since, s.error = "running", None, ""
         log.info("afore: scheduler restarted in %.2f s (restart %d)", s.last_down_s, s.restarts)
 
-    def health(self, processes: dict[str, dict], role: str) -> tuple[int, dict]:
+    def health(self, processes: dict[str, dict], role: str, planner: str = "scheduler") -> tuple[int, dict]:
         """(HTTP status, body) of ``GET /health``.
 
-        ``processes``: name -> {"pid", "alive"} of this node's children (``Launcher.status``).
+        ``processes``: name -> {"pid", "alive"} of this node's children (``Launcher.status``);
+        ``planner``: ``workers`` when the FFN workers plan themselves (no scheduler process).
         """
         now = self.clock()
         dead = sorted(name for name, p in processes.items() if not p["alive"])
         scheduler = self.scheduler.report(now)
         if role == "attention":
             scheduler = {"state": "stopped"}  # it runs on the FFN node
+        elif planner == "workers":
+            scheduler = {"state": "workers"}  # every FFN worker plans (afore serve --planner workers)
         elif "scheduler" not in processes and self.scheduler.state == "running":
             scheduler["state"] = "restarting"  # between stop and start of a policy switch
         body: dict = {"status": "ok", "scheduler": scheduler, "dead": dead}

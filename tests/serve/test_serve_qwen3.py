@@ -88,6 +88,40 @@ def test_exact_token_identical_with_plans_and_copies(model, want, log_dir):
         server.stop()
 
 
+def test_planner_workers_token_identical_with_plans_copies_and_no_scheduler(model, want, log_dir):
+    """``afore serve --planner workers``: no scheduler process and no demand path; each FFN worker
+    plans every target itself with the afore policy, all the same plans (every target ran on a
+    plan, none fell back to primary-only, no planner restart), copies made, output identical to
+    plain vLLM; /health is fine without a scheduler, and a policy switch is refused (400)."""
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-planner-workers.log"), policy="afore",
+                         extra=["--planner", "workers"])
+    try:
+        assert_same_generation(server.greedy(), want)
+        status = server.status()
+        assert status["planner"] == "workers" and "scheduler" not in status["processes"]
+        assert server.health() == 200
+        code, health = http("GET", server.admin + "/health", timeout=10)
+        assert code == 200 and health["scheduler"] == {"state": "workers"}, health
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert code == 200
+
+        def value(name: str, *labels: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + "{") and all(label in line for label in labels))
+
+        targets = value("afore_ffn_targets_total", 'worker="0"')
+        assert targets > 0
+        assert value("afore_ffn_plans_total", 'worker="0"', 'outcome="used"') == targets
+        assert _metric(text, "afore_ffn_primary_only_targets_total") == 0
+        assert _metric(text, "afore_ffn_planner_resets_total") == 0
+        assert value("afore_ffn_plan_seconds_count", 'worker="1"') == targets
+        assert _metric(text, "afore_ffn_copies_total") > 0
+        code, body = server.set_policy("eplb")
+        assert code == 400 and "--planner workers" in str(body), body
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_a1f2_every_policy_token_identical(a1f2, want, policy):
     code, status = a1f2.set_policy(policy)

@@ -187,3 +187,63 @@ def test_spin_option_reaches_every_waiting_process(monkeypatch, started):
     # unset: nothing spins
     default = options_from_args(build_parser().parse_args(["serve", "--transport", "shm", "--store-port", "29600"]))
     assert default.spin_us == 0.0 and launcher_mod.spin_seconds(default) == 0.0
+
+
+def test_planner_workers_reaches_the_ffn_workers_and_starts_no_demand_path(started):
+    """``--planner workers``: every FFN worker gets the policy, its params and the calibrated cost
+    and no plan ring; the attention side gets no demand mailbox (nothing would read it). The
+    default keeps the scheduler's ring and mailbox."""
+    from afore.cli import build_parser
+    from afore.serve.cli import options_from_args
+    import afore.serve.launcher as launcher_mod
+
+    argv = ["serve", "--transport", "shm", "--store-port", "29600", "--policy", "eplb", "--copy-budget", "3"]
+    opts = options_from_args(build_parser().parse_args([*argv, "--planner", "workers"]))
+    assert opts.planner == "workers"
+    launcher = launcher_mod.Launcher(opts)
+    _start_on_tiny(launcher)
+    workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
+    assert len(workers) == 2
+    assert all(w["policy"] == "eplb" and w["plan_ring"] == "" and w["params"]["copy_budget"] == 3 for w in workers)
+    assert workers[0]["cost"] == workers[1]["cost"] and workers[0]["cost"]["bytes_per_expert"] > 0
+    assert json.loads(started[-1][1][CONFIG_ENV])["mailbox"] == ""
+    started.clear()
+    _start_on_tiny(launcher_mod.Launcher(options_from_args(build_parser().parse_args(argv))))
+    workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
+    assert all(w["policy"] == "" and w["plan_ring"].endswith("-plans") for w in workers)
+    assert json.loads(started[-1][1][CONFIG_ENV])["mailbox"].endswith("-demand")
+
+
+def test_planner_workers_is_healthy_without_a_scheduler_and_refuses_a_policy_switch():
+    import afore.serve.launcher as launcher_mod
+
+    launcher = launcher_mod.Launcher(ServeOptions(planner="workers", policy="afore"))
+    code, body = launcher.health()
+    assert code == 200 and body["scheduler"] == {"state": "workers"}
+    assert launcher.status()["planner"] == "workers"
+    with pytest.raises(ValueError, match="policy: with --planner workers every FFN worker plans with the policy it "
+                                         "started with \\(afore\\); restart afore serve with --policy eplb"):
+        launcher.switch_policy("eplb")
+    assert launcher.policy == "afore"
+    # the scheduler's planner without its process is degraded, as before
+    assert launcher_mod.Launcher(ServeOptions()).health()[0] == 503
+
+
+def test_bad_planner_settings_are_refused():
+    from afore.ffn.worker import FFNWorkerConfig
+
+    with pytest.raises(ValueError, match="planner: expected one of scheduler, workers, got 'gpu'"):
+        ServeOptions(planner="gpu")
+    with pytest.raises(ValueError, match="planner: --planner workers needs every worker on one node"):
+        ServeOptions(planner="workers", role="ffn", host="0.0.0.0", store_port=29600)
+    with pytest.raises(ValueError, match="planner: --planner workers on cuda needs --transport shm"):
+        ServeOptions(planner="workers", device="cuda", transport="torch-gloo")
+    ServeOptions(planner="workers", device="cuda", transport="shm")
+    base = dict(rank=0, num_ffn=2, num_attention=1, model="m")
+    with pytest.raises(ValueError, match="policy: expected one of .*afore.*, got 'best'"):
+        FFNWorkerConfig(**base, policy="best")
+    with pytest.raises(ValueError, match="policy, plan_ring: expected one planner"):
+        FFNWorkerConfig(**base, policy="afore", plan_ring="afore-plans")
+    with pytest.raises(ValueError, match="policy: the replicated planner needs each target's ids on the host"):
+        FFNWorkerConfig(**base, policy="afore", device="cuda:0")
+    FFNWorkerConfig(**base, policy="afore", device="cuda:0", shm_segment="seg", max_tokens=8)
