@@ -2,6 +2,7 @@ import argparse
 import json
 
 import numpy as np
+import pytest
 
 from afore.bench import transport
 
@@ -28,3 +29,22 @@ def test_sample_plan_is_a_valid_full_plan():
     plan = transport.sample_plan(shape, 3, np.random.default_rng(0))
     check_plan(shape, plan)
     assert len(plan.copies) > 8
+
+
+def test_serve_selection_and_itl_ratios():
+    """``--serve-only``: the named servers plus plain vLLM, in run order; an unknown name is
+    refused naming it. The report's ratios are each afore server's median over rounds against
+    plain vLLM's."""
+    from afore.bench.dataplane.transport import SERVERS, itl_ratios, serve_selection
+
+    assert serve_selection("") == SERVERS
+    assert serve_selection("afore-shm-workers, afore-shm") == ("afore-shm", "afore-shm-workers", "vllm")
+    with pytest.raises(ValueError, match="serve_only: expected names among .*, got afore-fast"):
+        serve_selection("afore-shm,afore-fast")
+
+    def rounds(*p50_p99):
+        return {"rounds": [{"itl_ms": {"p50": a, "p99": b}} for a, b in p50_p99]}
+
+    serve = {"vllm": rounds((2.0, 10.0), (1.0, 6.0), (3.0, 8.0)), "afore-shm": rounds((6.0, 16.0), (4.0, 20.0)),
+             "afore-shm-workers": rounds((3.0, 12.0))}
+    assert itl_ratios(serve) == [("afore-shm", 2.5, 2.25), ("afore-shm-workers", 1.5, 1.5)]

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-requests", type=int, default=24)
     g.add_argument("--serve-concurrency", type=int, default=4)
     g.add_argument("--serve-rounds", type=int, default=2, help="benchmark rounds per server")
+    g.add_argument("--serve-only", default="", metavar="NAMES",
+                   help=f"comma-separated servers to run (default all: {', '.join(SERVERS)}); plain vllm always runs")
 
 
 # ------------------------------------------------------------------ 1. exchange
@@ -225,14 +227,32 @@ def _figure_means(before: dict, after: dict) -> dict[str, float | None]:
     return out
 
 
+#: the servers of ``--serve``, in the order they run and appear in the report
+SERVERS = ("afore-shm", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
+
+
+def serve_selection(only: str) -> tuple[str, ...]:
+    """The servers ``--serve-only`` names (all when empty), plain vLLM always included, in
+    ``SERVERS`` order; ValueError naming an unknown one."""
+    if not only:
+        return SERVERS
+    names = {n.strip() for n in only.split(",") if n.strip()}
+    unknown = sorted(names - set(SERVERS))
+    if unknown:
+        raise ValueError(f"serve_only: expected names among {', '.join(SERVERS)}, got {', '.join(unknown)}")
+    return tuple(n for n in SERVERS if n in names or n == "vllm")
+
+
 def measure_serve(args, log_dir: Path) -> dict:
     from afore.models.tiny import build_tiny_checkpoint
     from afore.ports import free_port
 
+    selected = serve_selection(getattr(args, "serve_only", ""))
     model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
     log_dir.mkdir(parents=True, exist_ok=True)
     trace, plain_trace, pp_trace = log_dir / "stages", log_dir / "plain", log_dir / "pingpong"
-    for f in [*log_dir.glob("stages*"), *log_dir.glob("plain.*"), *log_dir.glob("pingpong.*")]:
+    workers_trace = log_dir / "workers"
+    for f in [*log_dir.glob("stages*"), *log_dir.glob("plain.*"), *log_dir.glob("pingpong.*"), *log_dir.glob("workers.*")]:
         f.unlink()
     out = {}
     common = ["--model", model, "--dtype", "float32", "--max-model-len", "512"]
@@ -240,6 +260,9 @@ def measure_serve(args, log_dir: Path) -> dict:
         # afore serve's CPU default: shm, one target per MoE call; every process traces its stages
         ("afore-shm", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--verbose", *common],
          {"AFORE_STAGE_TRACE": str(trace)}),
+        # the same with every FFN worker planning itself (--planner workers: no demand, scheduler or plan hop)
+        ("afore-shm-workers", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--planner", "workers",
+                               "--verbose", *common], {"AFORE_STAGE_TRACE": str(workers_trace)}),
         # two ping-pong microbatches (afore.attention.pingpong): microbatch b+1's attention while the
         # FFN pool computes b; and the same two targets per layer without the overlap (--no-pingpong)
         ("afore-shm-m2", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--microbatches", "2",
@@ -254,6 +277,8 @@ def measure_serve(args, log_dir: Path) -> dict:
          {"VLLM_CPU_KVCACHE_SPACE": "1", "AFORE_STAGE_TRACE": str(plain_trace)}),  # vLLM's step phases (the plugin)
     ]
     for name, cmd, env in servers:
+        if name not in selected:
+            continue
         port = free_port()
         cmd = [*cmd, "--port", str(port)]
         out[name] = _serve_one(name, cmd, f"http://127.0.0.1:{port}", model, args.serve_requests,
@@ -263,8 +288,9 @@ def measure_serve(args, log_dir: Path) -> dict:
     layers = len(read_model_spec(model).moe_layer_indices)
     out["breakdown"] = stage_breakdown(trace, num_layers=layers, microbatches=1)
     out["breakdown_pingpong"] = stage_breakdown(pp_trace, num_layers=layers, microbatches=2)
-    out["runner"] = {"afore-shm": runner_breakdown(trace), "afore-shm-m2": runner_breakdown(pp_trace),
-                     "vllm": runner_breakdown(plain_trace)}
+    out["breakdown_workers"] = stage_breakdown(workers_trace, num_layers=layers, microbatches=1)
+    out["runner"] = {"afore-shm": runner_breakdown(trace), "afore-shm-workers": runner_breakdown(workers_trace),
+                     "afore-shm-m2": runner_breakdown(pp_trace), "vllm": runner_breakdown(plain_trace)}
     return out
 
 
@@ -470,31 +496,24 @@ def markdown(r: dict) -> str:
         lines += ["## Decode through the HTTP API (tiny Qwen3-MoE, float32, A=1, F=2; vLLM's serving client: "
                   "random 64-token prompts, 32 output tokens, 24 requests, concurrency 4)", "",
                   "| server | round | median ITL ms | p99 ITL ms | median TPOT ms | output tok/s |", "|---|---|---|---|---|---|"]
-        for name in ("afore-shm", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm"):
+        for name in SERVERS:
             for i, rr in enumerate(s.get(name, {}).get("rounds", [])):
                 lines.append(f"| {name} | {i} | {rr['itl_ms']['p50']:.2f} | {rr['itl_ms']['p99']:.2f} | "
                              f"{rr['tpot_ms']['p50']:.2f} | {rr['output_throughput']:.0f} |")
-        names = [n for n in ("afore-shm", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo")
-                 if n in s and s[n].get("figures")]
+        names = [n for n in SERVERS if n != "vllm" and n in s and s[n].get("figures")]
         if names:
             lines += ["", "afore's own figures over the rounds (means of its Prometheus histograms, ms; measured):", "",
                       "| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
             for fam, label in FIGURES:
                 cells = [s[n]["figures"].get(fam) for n in names]
                 lines.append(f"| {label} (`{fam}`) | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
-        v = statistics.median(rr["itl_ms"]["p50"] for rr in s["vllm"]["rounds"])
-        a = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm"]["rounds"])
-        v99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["vllm"]["rounds"])
-        a99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["afore-shm"]["rounds"])
-        m2 = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm-m2"]["rounds"])
-        m2_99 = statistics.median(rr["itl_ms"]["p99"] for rr in s["afore-shm-m2"]["rounds"])
-        g = statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-torch-gloo"]["rounds"])
-        ser = (statistics.median(rr["itl_ms"]["p50"] for rr in s["afore-shm-m2-serial"]["rounds"])
-               if "afore-shm-m2-serial" in s else float("nan"))
-        lines += ["", f"Median ITL against plain vLLM (median of the rounds): afore shm (the CPU default, 1 microbatch) "
-                  f"**{a / v:.2f}x**, p99 **{a99 / v99:.2f}x**; afore shm with 2 microbatches {m2 / v:.2f}x, p99 "
-                  f"{m2_99 / v99:.2f}x (ping-pong), {ser / v:.2f}x without the overlap (--no-pingpong); the data "
-                  f"plane before (torch-gloo, dense, 2 microbatches) {g / v:.2f}x. Targets: median <= 2x, p99 <= 3x.", ""]
+        lines += ["", "Median ITL against plain vLLM (median of the rounds; targets: median <= 2x, p99 <= 3x):", "",
+                  "| server | median ITL / plain | p99 ITL / plain |", "|---|---|---|"]
+        lines += [f"| {name} | **{ratio:.2f}x** | {ratio99:.2f}x |" for name, ratio, ratio99 in itl_ratios(s)]
+        lines += ["", "afore-shm is the CPU default (one microbatch, the scheduler process plans); afore-shm-workers "
+                  "the same with `--planner workers`; -m2 two ping-pong microbatches, -m2-serial the same without "
+                  "the overlap (--no-pingpong); afore-torch-gloo the data plane before issue 10 (dense, 2 "
+                  "microbatches).", ""]
         b = s.get("breakdown") or {}
         if b.get("stages"):
             lines += [f"### Where a decode target's time goes (afore-shm run, {b['targets']} decode targets of attention "
@@ -503,6 +522,12 @@ def markdown(r: dict) -> str:
             lines += ["", "FFN stages are per worker (both workers' samples); the scheduler's run beside the A2F post "
                       "and the FFN workers' wake-up. A mean far above its median is preemption: more runnable "
                       "processes than cores.", ""]
+        bw = s.get("breakdown_workers") or {}
+        if bw.get("stages"):
+            lines += [f"### The same with `--planner workers` (afore-shm-workers run, {bw['targets']} decode targets)", "",
+                      *_stage_rows(bw["stages"])]
+            lines += ["", "No demand is emitted and no scheduler runs: 'FFN: taken up -> plan read and checked' is "
+                      "this worker's own planning (the policy) and the plan's checks.", ""]
         bp = s.get("breakdown_pingpong") or {}
         if bp.get("stages"):
             lines += [f"### The same with two ping-pong microbatches (afore-shm-m2 run, {bp['targets']} decode targets)", "",
@@ -512,6 +537,17 @@ def markdown(r: dict) -> str:
                       "the other microbatch's attention did not hide.", ""]
         lines += runner_markdown(s.get("runner") or {})
     return "\n".join(lines)
+
+
+def itl_ratios(serve: dict) -> list[tuple[str, float, float]]:
+    """(server, median ITL / plain vLLM's, p99 ITL / plain vLLM's) of every afore server that ran,
+    each the median over its rounds."""
+    def med(name: str, key: str) -> float:
+        return statistics.median(rr["itl_ms"][key] for rr in serve[name]["rounds"])
+
+    v, v99 = med("vllm", "p50"), med("vllm", "p99")
+    return [(n, med(n, "p50") / v, med(n, "p99") / v99) for n in SERVERS
+            if n != "vllm" and serve.get(n, {}).get("rounds")]
 
 
 def _stage_rows(stages: dict) -> list[str]:
