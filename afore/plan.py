@@ -201,3 +201,21 @@ def check_plan(shape: ClusterShape, plan: Plan, table_before: SlotTable | None =
             r = int(plan.slot[ex, w] - pcount[w])
             if table_before.expert[w, r] != ex and (int(ex), int(w)) not in copied:
                 raise ValueError(f"copies: new replica of expert {ex} on worker {w} has no copy")
+
+
+def plan_digest(plan: "Plan") -> int:
+    """A 32-bit digest of what an FFN worker applies of ``plan``: its seq, target, assignment,
+    slot bindings and copies (crc32 over their bytes). Workers vote it with their yes
+    (``agree(flag, digest)``): equal digests mean the same partition and slots on every worker,
+    so invariant 3 is checked, not assumed (e.g. under ``--planner workers``, where each worker
+    makes its plan itself). Never 0, the digest of "no plan"."""
+    import struct
+    import zlib
+
+    t = plan.target
+    crc = zlib.crc32(struct.pack("<4q", plan.seq, t.step, t.layer, t.microbatch))
+    for arr in (plan.assignment, plan.slot, plan.copies):
+        # the raw buffer: equal plans in another dtype or layout digest differently, a veto, never a
+        # false agreement
+        crc = zlib.crc32(arr.data if arr.flags.c_contiguous else np.ascontiguousarray(arr).data, crc)
+    return crc or 1

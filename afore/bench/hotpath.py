@@ -51,7 +51,7 @@ class _NullConnector:
     def peek(self):
         return None
 
-    def agree(self, flag: bool) -> bool:
+    def agree(self, flag: bool, digest: int = 0) -> bool:
         return flag
 
     def send(self, mb, reply) -> None:

@@ -5,7 +5,8 @@ Families (label ``worker``: this worker's rank; ``layer``: MoE layer ordinal; ba
   afore_ffn_targets_total                    targets executed
   afore_ffn_plans_total{outcome}             used (target ran on the scheduler's plan), missed
                                              (no valid plan by the deadline), rejected (stale, out
-                                             of order or inconsistent plan)
+                                             of order or inconsistent plan), mismatched, diverged
+                                             (the workers held different plans: digests differ)
   afore_ffn_primary_only_targets_total       targets run on the primary-only plan (a miss here or
                                              on another worker: all workers apply the same plan)
   afore_ffn_copies_total, _copy_bytes_total  expert copies into this worker and their bytes
@@ -51,7 +52,8 @@ SECONDS_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5
                    0.1, 0.25, 1.0, 10.0)
 COPIES_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 BYTES_BUCKETS = (0,) + tuple(4096 * 4**k for k in range(11))  # 4 KiB .. 4 GiB
-PLAN_OUTCOMES = ("used", "missed", "rejected", "mismatched")  # mismatched: plan demand != routed counts
+# mismatched: plan demand != routed counts; diverged: every worker had a plan, not the same one (digests)
+PLAN_OUTCOMES = ("used", "missed", "rejected", "mismatched", "diverged")
 
 
 class _StageMs:
@@ -170,8 +172,8 @@ class FFNMetrics:
 
     def count_plan(self, outcome: str) -> None:
         """A plan ``missed`` (none by the deadline) or ``rejected`` by validation."""
-        if outcome not in ("missed", "rejected", "mismatched"):
-            raise ValueError(f"outcome: expected 'missed', 'rejected' or 'mismatched', got {outcome!r}")
+        if outcome not in PLAN_OUTCOMES[1:]:
+            raise ValueError(f"outcome: expected one of {', '.join(PLAN_OUTCOMES[1:])}, got {outcome!r}")
         self._plans[outcome].inc()
 
     def observe(self, record: MigrationRecord) -> None:

@@ -48,7 +48,7 @@ from afore.routing import count_demand, count_host
 from afore.migrator.copy_engine import make_copy_engine
 from afore.migrator.migrator import HostWeightsSource, Migrator, PoolSource
 from afore.migrator.slot_pool import SlotPool
-from afore.plan import Plan, primary_only_plan
+from afore.plan import Plan, plan_digest, primary_only_plan
 from afore.transport.base import Microbatch, ReplyRows
 from afore.transport.connector import FFNConnector, TransportConfig
 
@@ -383,15 +383,24 @@ class FFNWorker:
         self.shape.check_layer(mb.target.layer)
         layer = self.layers[mb.target.layer]
         candidate = self._candidate(mb)
+        # what the others must hold too: the same plan (its digest), or nothing to agree on
+        digest = plan_digest(candidate) if candidate is not None and self.cfg.num_ffn > 1 else 0
         planned = time.perf_counter_ns()
         vote = getattr(self.connector, "vote", None)  # the shm transport posts votes early
         if vote is not None:  # posted now, tallied after the compute: found there, not waited for
-            vote(candidate is not None)
+            vote(candidate is not None, digest)
         self._read_ahead()
         plan = candidate if candidate is not None else self._primary_only(mb)
         reply = self._compute(layer, mb, plan)
         computed = time.perf_counter_ns()
-        agreed_plan = self._settle(mb, candidate, self.connector.agree(candidate is not None))
+        agreed = self.connector.agree(candidate is not None, digest)
+        if getattr(self.connector, "last_diverged", False):
+            # every worker had a plan, not the same one: none is used (a replicated planner that
+            # diverged, or plans that differ): counted, and handled as any failed vote
+            self.metrics.count_plan("diverged")
+            log.error("worker %d: the FFN workers voted for different plans of target %d (digests differ)",
+                      self.cfg.rank, mb.seq)
+        agreed_plan = self._settle(mb, candidate, agreed)
         if agreed_plan is not plan:  # another worker had no valid plan: primary-only everywhere
             plan = agreed_plan
             reply = self._compute(layer, mb, plan)

@@ -295,6 +295,8 @@ class FFNConnector:
         self.ffn_rank = ffn_rank
         self.rank = cfg.num_attention + ffn_rank
         self.device = torch.device(device)
+        self.diverged = 0          # rounds where every worker voted yes for different plans (digests)
+        self.last_diverged = False
         self.wire = torch.device("cpu") if cfg.backend == "gloo" else self.device
         self.store = _store(cfg, self.rank)
         self.store.set(ffn_ready_key(ffn_rank), "1")  # loaded and joining: the attention side may start
@@ -408,16 +410,23 @@ class FFNConnector:
     def queued(self) -> int:
         return self._queue.qsize()
 
-    def agree(self, flag: bool) -> bool:
-        """True only if every FFN worker passes True (an all-reduce MIN over the FFN group): all
-        workers must apply the same plan to a target, so one worker without it means none use it."""
+    def agree(self, flag: bool, digest: int = 0) -> bool:
+        """True only if every FFN worker passes True and the same ``digest`` (of the plan it would
+        apply, ``afore.plan.plan_digest``): one all-reduce MIN over the FFN group of (flag, digest,
+        -digest). All workers must apply the same plan to a target, so one worker without it, or
+        with another plan, means none use it. ``last_diverged``: all voted yes, for different plans."""
+        self.last_diverged = False
         if self.cfg.num_ffn == 1:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.wire)
+        t = torch.tensor([1 if flag else 0, int(digest), -int(digest)], dtype=torch.int64, device=self.wire)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         self.ffn.allreduce([t], opts).wait()
-        return bool(t.item())
+        all_yes, lo, neg_hi = (int(x) for x in t.tolist())
+        same = lo == -neg_hi
+        self.last_diverged = bool(all_yes) and not same
+        self.diverged += self.last_diverged
+        return bool(all_yes) and same
 
     def send(self, mb: Microbatch, partial: torch.Tensor) -> None:
         """Combine the F partial outputs of ``mb`` and reply to the attention workers this worker serves."""

@@ -20,6 +20,7 @@ Segment layout (``ShmLayout``; every offset 64-byte aligned)::
     rep_head   int64[F, A, D, 8]            [counter, seq, step, layer, microbatch, rows, counter, 0]
     rep_data   per (f, a, d): rows [T, H] dtype | token index int32 [T]
     votes      int32[F, 2]                  plan agreement among the FFN workers (``agree``)
+    digests    int64[F, 2]                  each vote's plan digest (written before its vote word)
 
 Flow control needs no acknowledgements: attention worker a writes message c into slot c % D only
 after it received every reply to message c - D (``AttentionEnd.send`` waits for them), and an FFN
@@ -71,6 +72,8 @@ _DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # DataPlane's dtype 
 _VIEW_CACHE = 4096  # cached slot prefixes (a, d, n) per segment before the cache starts over
 _ALIGN = 64
 _HEAD = 8
+# outcomes of an agreement round (``ShmFFNEnd.agree``; the native plane returns the same codes)
+VETOED, AGREED, DIVERGED = 0, 1, 2  # someone voted no / all yes for one plan / all yes, different plans
 _SYS_FUTEX = 202          # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -134,7 +137,7 @@ class ShmLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         es = torch.empty(0, dtype=self.torch_dtype).element_size()
         sizes = [("pids", 8 * (a + f)), ("req_ready", 4 * a * d), ("req_head", 8 * _HEAD * a * d),
                  ("rep_ready", 4 * f * a * d), ("rep_head", 8 * _HEAD * f * a * d), ("votes", 4 * f * 2),
-                 ("req_data", a * d * self.req_slot_bytes(es)), ("rep_data", f * a * d * self.rep_slot_bytes(es))]
+                 ("digests", 8 * f * 2), ("req_data", a * d * self.req_slot_bytes(es)), ("rep_data", f * a * d * self.rep_slot_bytes(es))]
         out, pos = {}, 0
         for name, n in sizes:
             out[name] = pos
@@ -178,6 +181,7 @@ class ShmSegment:
         self.rep_ready = view("rep_ready", np.int32, (f, a, d))
         self.rep_head = view("rep_head", np.int64, (f, a, d, _HEAD))
         self.votes = view("votes", np.int32, (f, 2))
+        self.digests = view("digests", np.int64, (f, 2))
         self._raw = torch.frombuffer(self.mm, dtype=torch.uint8)
         self._views: dict[tuple, tuple] = {}
         self.pinned = False  # page-locked for CUDA (``pin``)
@@ -286,7 +290,7 @@ class ShmSegment:
         self.plane = None
         self._raw = None
         self._views.clear()
-        for name in ("pids", "req_ready", "req_head", "rep_ready", "rep_head", "votes"):
+        for name in ("pids", "req_ready", "req_head", "rep_ready", "rep_head", "votes", "digests"):
             setattr(self, name, None)
         try:
             self.mm.close()
@@ -528,7 +532,9 @@ class ShmFFNEnd:
         self._counter = 0          # next message counter (the same for every attention worker)
         self._peeked: Microbatch | None = None
         self._votes = 0
-        self._posted: tuple[int, bool] | None = None  # (round, flag) of a vote() not yet tallied
+        self._posted: tuple[int, bool, int] | None = None  # (round, flag, digest) of a vote() not yet tallied
+        self.diverged = 0          # rounds where every worker voted yes for different plans (digests)
+        self.last_diverged = False
         self.bytes_received = 0
         self.bytes_sent = 0
         self.store = None  # no TCPStore: GPU peers use CUDA IPC handles exchanged elsewhere
@@ -627,10 +633,10 @@ class ShmFFNEnd:
             self._peeked = self._read(self._counter)
         return self._peeked
 
-    def vote(self, flag: bool) -> None:
+    def vote(self, flag: bool, digest: int = 0) -> None:
         """Post this worker's vote for the next ``agree`` early (the step does it before its
         compute): the others then find it there when they tally after theirs, without sleeping
-        on it. ``agree(flag)`` must follow with the same flag; it stores the same word again."""
+        on it. ``agree(flag, digest)`` must follow with the same values; it stores them again."""
         lay, seg = self.layout, self.seg
         if lay.num_ffn == 1:
             return
@@ -638,31 +644,40 @@ class ShmFFNEnd:
         slot = v % 2
         # round v's word may replace this worker's round v - 2 vote: everyone has tallied that one,
         # since this worker's agree(v - 1) returned, which needs every worker's round v - 1 vote,
-        # posted only after its own agree(v - 2) returned
+        # posted only after its own agree(v - 2) returned. The digest first, the word after it
+        # (x86 keeps stores in order): a reader that sees the word sees its digest.
+        seg.digests[self.ffn_rank, slot] = int(digest)
         seg.votes[self.ffn_rank, slot] = (((v % 0x3FFFFFFE) + 1) << 1) | int(bool(flag))
         _futex_wake(seg.addr("votes", self.ffn_rank * 2 + slot, 4))
-        self._posted = (v, bool(flag))
+        self._posted = (v, bool(flag), int(digest))
 
-    def agree(self, flag: bool) -> bool:
-        """True only if every FFN worker passes True for this target (a barrier over the votes in
-        shared memory; the same decision on every worker, DESIGN.md invariant 3)."""
+    def agree(self, flag: bool, digest: int = 0) -> bool:
+        """True only if every FFN worker passes True for this target and the same ``digest`` (of
+        the plan it would apply: ``afore.plan.plan_digest``): a barrier over the votes in shared
+        memory, the same decision on every worker (DESIGN.md invariant 3, checked rather than
+        assumed). ``last_diverged``: every worker voted yes but for different plans (counted in
+        ``diverged``)."""
         lay, seg = self.layout, self.seg
+        self.last_diverged = False
         if lay.num_ffn == 1:
             return flag
         v = self._votes
         self._votes += 1
         posted, self._posted = self._posted, None
-        if posted is not None and posted != (v, bool(flag)):
-            raise ValueError(f"agree: voted {posted[1]} on round {posted[0]} with vote(), now {bool(flag)} on round {v}")
+        if posted is not None and posted != (v, bool(flag), int(digest)):
+            raise ValueError(f"agree: voted {posted[1:]} on round {posted[0]} with vote(), now "
+                             f"{(bool(flag), int(digest))} on round {v}")
         if self._plane is not None:
-            return self._plane.agree(self.ffn_rank, v, bool(flag), float(self.timeout_s), self.poll_s, self.spin_s,
-                                     str(self.timeout_s))
+            outcome = self._plane.agree(self.ffn_rank, v, bool(flag), int(digest), float(self.timeout_s), self.poll_s,
+                                        self.spin_s, str(self.timeout_s))
+            return self._tallied(outcome)
         word = ((v % 0x3FFFFFFE) + 1) << 1
         slot = v % 2
+        seg.digests[self.ffn_rank, slot] = int(digest)
         seg.votes[self.ffn_rank, slot] = word | int(bool(flag))
         _futex_wake(seg.addr("votes", self.ffn_rank * 2 + slot, 4))
         deadline = time.monotonic() + self.timeout_s
-        result = bool(flag)
+        result, same = bool(flag), True
         for g in range(lay.num_ffn):
             if g == self.ffn_rank:
                 continue
@@ -679,8 +694,14 @@ class ShmFFNEnd:
                 pid = int(seg.pids[lay.num_attention + g])
                 if pid and not pid_alive(pid):
                     raise PeerGone(f"agree: FFN worker {g} (pid {pid}) exited")
-            result = result and bool(int(seg.votes[g, slot]) & 1)
-        return result
+            result = result and bool(cur & 1)
+            same = same and int(seg.digests[g, slot]) == int(digest)
+        return self._tallied(AGREED if result and same else DIVERGED if result else VETOED)
+
+    def _tallied(self, outcome: int) -> bool:
+        self.last_diverged = outcome == DIVERGED
+        self.diverged += self.last_diverged
+        return outcome == AGREED
 
     def send(self, mb: Microbatch, partial: ReplyRows) -> None:
         """Reply to every attention worker with this worker's partial sums of its tokens (an empty

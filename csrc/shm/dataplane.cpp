@@ -125,6 +125,7 @@ class DataPlane {
     rep_ready_ = reinterpret_cast<uint32_t*>(base_ + at("rep_ready"));
     rep_head_ = reinterpret_cast<int64_t*>(base_ + at("rep_head"));
     votes_ = reinterpret_cast<uint32_t*>(base_ + at("votes"));
+    digests_ = reinterpret_cast<int64_t*>(base_ + at("digests"));
     req_data_ = base_ + at("req_data");
     rep_data_ = base_ + at("rep_data");
     req_slot_ = at("req_slot");
@@ -332,17 +333,22 @@ class DataPlane {
     return count;
   }
 
-  // Vote `flag` on agreement round `v` and return the AND of every FFN worker's vote.
-  bool agree(int rank, int64_t v, bool flag, double timeout_s, double poll_s, double spin_s, const std::string& timeout_text) {
+  // Vote `flag` for the plan of digest `digest` on agreement round `v`: 1 (agreed) if every FFN
+  // worker voted yes with the same digest, 2 (diverged) if all voted yes but for different plans,
+  // 0 (vetoed) if one voted no. The digest is stored before the vote word (release), and read after
+  // the other's word was seen (acquire): a reader that sees a word sees its digest.
+  int agree(int rank, int64_t v, bool flag, int64_t digest, double timeout_s, double poll_s, double spin_s,
+            const std::string& timeout_text) {
     check_rank(rank, F_, "FFN rank");
-    if (F_ == 1) return flag;
+    if (F_ == 1) return flag ? 1 : 0;
     const uint32_t word = uint32_t((v % 0x3FFFFFFE) + 1) << 1;
     const int slot = int(v % 2);
     uint32_t* mine = votes_ + rank * 2 + slot;
+    __atomic_store_n(digests_ + rank * 2 + slot, digest, __ATOMIC_RELAXED);
     __atomic_store_n(mine, word | uint32_t(flag), __ATOMIC_RELEASE);
     futex_wake(mine);
     const double deadline = now_s() + timeout_s;
-    bool result = flag;
+    bool result = flag, same = true;
     for (int g = 0; g < F_; ++g) {
       if (g == rank) continue;
       const uint32_t* theirs = votes_ + g * 2 + slot;
@@ -353,6 +359,7 @@ class DataPlane {
         const uint32_t cur = load_word(theirs);
         if ((cur >> 1) << 1 == word) {
           result = result && (cur & 1);
+          same = same && __atomic_load_n(digests_ + g * 2 + slot, __ATOMIC_RELAXED) == digest;
           break;
         }
         if (now_s() > deadline)
@@ -364,7 +371,7 @@ class DataPlane {
           throw PeerGoneError("agree: FFN worker " + std::to_string(g) + " (pid " + std::to_string(pid) + ") exited");
       }
     }
-    return result;
+    return result ? (same ? 1 : 2) : 0;
   }
 
  private:
@@ -454,6 +461,7 @@ class DataPlane {
   uint32_t* rep_ready_;
   int64_t* rep_head_;
   uint32_t* votes_;
+  int64_t* digests_;
   uint8_t* req_data_;
   uint8_t* rep_data_;
   size_t req_slot_ = 0, rep_slot_ = 0;

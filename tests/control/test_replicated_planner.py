@@ -100,3 +100,32 @@ def test_a_policy_error_is_a_miss_on_every_replica(monkeypatch):
     assert source.get(t0, s0, 0.0, d0) is None and source.errors == 1
     monkeypatch.undo()
     assert source.get(t1, s1, 0.0, d1) is not None
+
+
+def test_plan_digest_tells_apart_what_a_worker_applies():
+    """Equal plans (another replica's, a decoded copy) digest the same; a change in the seq, the
+    assignment, a slot binding or the copies changes the digest; "no plan" (0) is never a digest."""
+    import dataclasses
+
+    from afore.plan import plan_digest
+
+    target, seq, demand = _targets(1)[0]
+    plan = _source().get(target, seq, 0.0, demand)
+    twin = _source().get(target, seq, 0.0, demand)
+    assert plan_digest(plan) == plan_digest(twin) != 0
+    assignment = plan.assignment.copy()
+    e = int(np.flatnonzero(assignment.sum(axis=1))[0])
+    w = int(np.flatnonzero(assignment[e])[0])
+    assignment[e, w] -= 1
+    assignment[e, (w + 1) % SHAPE.num_workers] += 1
+    slot = plan.slot.copy()
+    slot[e, (w + 1) % SHAPE.num_workers] = SHAPE.num_experts // SHAPE.num_workers  # a redundant slot
+    copies = np.vstack([plan.copies, np.array([[e, 0, 1, 4]], plan.copies.dtype)]) if len(plan.copies) \
+        else np.array([[e, 0, 1, 4]], np.int32)
+    for changed in (dataclasses.replace(plan, seq=seq + 1), dataclasses.replace(plan, assignment=assignment),
+                    dataclasses.replace(plan, slot=slot), dataclasses.replace(plan, copies=copies)):
+        assert plan_digest(changed) != plan_digest(plan)
+    # the same values in a strided view digest as the contiguous array
+    wide = np.zeros((SHAPE.num_experts, 2 * SHAPE.num_workers), plan.assignment.dtype)
+    wide[:, ::2] = plan.assignment
+    assert plan_digest(dataclasses.replace(plan, assignment=wide[:, ::2])) == plan_digest(plan)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from afore.config import ClusterShape
+from afore.config import ClusterShape, SchedulerParams
 from afore.ffn.reference import dense_moe, random_routing
 from afore.plan import Target
 from afore.transport.connector import AttentionConnector, TransportConfig
@@ -25,22 +25,28 @@ pytestmark = pytest.mark.slow
 TARGETS = 10
 
 
-def _worker(cfg_bytes: bytes, drop: int) -> None:
+def _worker(cfg_bytes: bytes, fault: tuple[str, int] | None) -> None:
     import msgspec
 
     from afore.ffn.worker import FFNWorker, FFNWorkerConfig
     from afore.migrator.plan_source import ReplicatedPlanSource
+    from afore.plan import primary_only_plan
 
     cfg = msgspec.json.decode(cfg_bytes, type=FFNWorkerConfig)
 
-    class Dropping(ReplicatedPlanSource):
+    class Faulty(ReplicatedPlanSource):
+        """Loses the plan of one target ("drop"), or makes another valid plan for it ("diverge":
+        the primary-only one, as a planner whose state diverged would)."""
+
         def _get(self, target, seq, timeout_s, demand):
             plan = super()._get(target, seq, timeout_s, demand)
-            return None if seq == drop else plan
+            if fault is None or seq != fault[1]:
+                return plan
+            return None if fault[0] == "drop" else primary_only_plan(self.shape, demand, target, seq)
 
     source = None
-    if drop >= 0:
-        source = Dropping(cfg.policy, cfg.shape, cfg.params, cfg.cost)
+    if fault is not None:
+        source = Faulty(cfg.policy, cfg.shape, cfg.params, cfg.cost)
     worker = FFNWorker(cfg, plan_source=source)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
     try:
@@ -49,7 +55,7 @@ def _worker(cfg_bytes: bytes, drop: int) -> None:
         worker.close()
 
 
-def _serve(drop_on_worker1: int):
+def _serve(fault_on_worker1: tuple[str, int] | None = None):
     """Run TARGETS skewed targets over the model's MoE layers through two replicated-planner workers; returns
     (max relative error against the dense layer, worker 0's /metrics text)."""
     import msgspec
@@ -77,7 +83,7 @@ def _serve(drop_on_worker1: int):
     for r in range(2):
         cfg = FFNWorkerConfig(rank=r, num_ffn=2, num_attention=1, model=path, port=port, m_tile=2, shape=shape,
                               policy="afore", cost=cost, metrics_port=metrics_port if r == 0 else 0, timeout_s=60)
-        proc = ctx.Process(target=_worker, args=(msgspec.json.encode(cfg), drop_on_worker1 if r == 1 else -1))
+        proc = ctx.Process(target=_worker, args=(msgspec.json.encode(cfg), fault_on_worker1 if r == 1 else None))
         proc.start()
         procs.append(proc)
     conn = None
@@ -96,13 +102,13 @@ def _serve(drop_on_worker1: int):
         w = weights[targets[seq].layer]
         ref = dense_moe(*inputs[seq], w.w13, w.w2)
         err = max(err, float((outs[seq].double() - ref).norm() / ref.norm()))
-    return err, text
+    return err, text, (shape, cost, inputs)
 
 
 def test_replicated_planners_agree_on_every_target():
     from test_ffn_end_to_end import metric
 
-    err, text = _serve(-1)
+    err, text, _ = _serve()
     assert err <= 1e-5
     assert metric(text, "afore_ffn_plans_total", 'outcome="used"') == TARGETS   # every target ran on a plan ...
     assert metric(text, "afore_ffn_primary_only_targets_total") == 0           # ... the other worker's too
@@ -114,9 +120,35 @@ def test_replicated_planners_agree_on_every_target():
 def test_a_failed_vote_restarts_both_planners_at_the_same_target():
     from test_ffn_end_to_end import metric
 
-    drop = 3
-    err, text = _serve(drop)
+    err, text, _ = _serve(("drop", 3))
     assert err <= 1e-5  # a divergent planner after the restart would mis-partition later targets
     assert metric(text, "afore_ffn_primary_only_targets_total") == 1  # only the dropped target
     assert metric(text, "afore_ffn_plans_total", 'outcome="used"') == TARGETS - 1
     assert metric(text, "afore_ffn_planner_resets_total") == 1
+
+
+def test_workers_holding_different_plans_agree_on_none():
+    """Worker 1 makes another valid plan for one target than worker 0 (primary-only where the
+    afore policy splits experts): both vote yes, the vote's plan digests differ, so neither plan is
+    used (counted as diverged), both restart their planners, and every output stays exact. Without
+    the digests each would partition the target's pairs under its own plan: pairs lost or doubled."""
+    from afore.migrator.plan_source import ReplicatedPlanSource
+    from afore.plan import plan_digest, primary_only_plan
+    from afore.routing import count_host
+    from test_ffn_end_to_end import metric
+
+    at = 4
+    err, text, (shape, cost, inputs) = _serve(("diverge", at))
+    # worker 0's plan of that target, made here the same way: it is not the primary-only one
+    source = ReplicatedPlanSource("afore", shape, SchedulerParams(), cost)
+    for seq in range(at + 1):
+        target = Target.from_seq(seq, shape.num_layers, 1)
+        demand = count_host(inputs[seq][1].numpy(), shape.num_experts)
+        plan = source.get(target, seq, 0.0, demand)
+    assert plan_digest(plan) != plan_digest(primary_only_plan(shape, demand, target, at))
+    assert not np.array_equal(plan.assignment, primary_only_plan(shape, demand, target, at).assignment)
+    assert err <= 1e-5
+    assert metric(text, "afore_ffn_plans_total", 'outcome="diverged"') == 1
+    assert metric(text, "afore_ffn_primary_only_targets_total") == 1
+    assert metric(text, "afore_ffn_planner_resets_total") == 1
+    assert metric(text, "afore_ffn_plans_total", 'outcome="used"') == TARGETS - 1

@@ -266,8 +266,11 @@ def test_a_tally_with_another_flag_than_the_posted_vote_is_refused():
     try:
         end = ShmFFNEnd(name, layout, 0, timeout_s=5)
         end.vote(True)
-        with pytest.raises(ValueError, match="voted True on round 0"):
+        with pytest.raises(ValueError, match=r"voted \(True, 0\) on round 0 with vote\(\), now \(False, 0\)"):
             end.agree(False)
+        end.vote(True, 7)  # round 1: the same flag with another digest is refused too
+        with pytest.raises(ValueError, match=r"voted \(True, 7\) on round 1 with vote\(\), now \(True, 8\)"):
+            end.agree(True, 8)
         end.close()
     finally:
         seg.close()

@@ -259,6 +259,39 @@ def test_agree_is_the_and_of_every_vote_and_times_out_naming_the_silent_worker()
         pair.close()
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_agree_needs_every_yes_for_the_same_plan_digest(native):
+    """A round agrees only if every worker voted yes with the same digest; all yes with different
+    digests is a divergence (False, counted on every worker); a no vetoes whatever the digests.
+    Early votes (``vote``) carry their digest too. The native plane and the Python path agree."""
+    layout = ShmLayout(num_attention=1, num_ffn=3, hidden=H, top_k=K, max_tokens=4, depth=2)
+    pair = _Pair(f"digest-{native}", layout, native, native)
+    rounds = [((True, True, True), (5, 5, 5), True), ((True, True, True), (5, 6, 5), False),
+              ((True, False, True), (5, 6, 5), False), ((True, True, True), (9, 9, 9), True),
+              ((True, True, True), (1, 1, 2 ** 40), False)]
+    try:
+        results, diverged = {}, {}
+
+        def worker(r):
+            out = []
+            for i, (flags, digests, _) in enumerate(rounds):
+                if r == 1 and i % 2:
+                    pair.ffns[r].vote(flags[r], digests[r])
+                out.append(pair.ffns[r].agree(flags[r], digests[r]))
+            results[r] = out
+            diverged[r] = pair.ffns[r].diverged
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == {r: [want for *_, want in rounds] for r in range(3)}
+        assert diverged == {0: 2, 1: 2, 2: 2}  # rounds 1 and 4; round 2 was a veto
+    finally:
+        pair.close()
+
+
 def test_agree_never_sleeps_out_its_poll_interval_on_a_vote_that_races_its_read():
     # the other worker's vote lands at random moments around the reader's check; with one read
     # serving the test and the futex's expected value no landing sleeps out poll_s = 30 s
