@@ -11,6 +11,9 @@ K_w = E/F + R slots filled with random weights. Each load is a routing of T toke
   matmul rate (8192^3); the roofline floor is the larger;
 - ``step``: ``FFNLayer.forward`` as the worker calls it (plan staged on arrival; per call the
   plan upload, input copies, graph replay, output copy), back to back, GPU time per call;
+- ``host_fed``: ``FFNLayer.forward_host_routed``, the shm transport's GPU step (host routing,
+  rows gathered from host memory into a pinned packed buffer, one copy in, one replay, one copy
+  out, one wait): wall time per call, what the worker waits for;
 - ``replay``: the captured graph alone; ``gemm``: the two expert kernels alone, as a graph,
   on the rows the step routed; ``eager``: the same kernels launched without a graph;
 - ``vllm``: ``fused_experts`` on the same x, weights and this worker's pairs (ids mapped to
@@ -50,7 +53,8 @@ from afore.plan import SlotTable, Target, primary_only_plan
 #: name -> (hidden H, expert intermediate I, experts E, top_k)
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "GLM-4.5-Air": (4096, 1408, 128, 8)}
 CPU_MODELS = {"tiny": (64, 32, 16, 4)}
-TARGETS = {"decode_vs_floor": 1.5, "decode_vs_gemm": 1.2, "prefill_vs_floor": 1.3, "changed_vs_unchanged": 1.05}
+TARGETS = {"decode_vs_floor": 1.5, "decode_host_fed_vs_floor": 1.5, "decode_vs_gemm": 1.2, "prefill_vs_floor": 1.3,
+           "changed_vs_unchanged": 1.05}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +200,10 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
     buckets = tuple(sorted({max(1, load * f // k) for load in decode}))
     graphed = FFNLayer(pool, graph_buckets=buckets) if gpu else FFNLayer(pool, backend="torch")
     eager = FFNLayer(pool, graphs=False) if gpu else None
+    host_fed = None
+    if gpu:  # the shm transport's worker step: host routing, one packed copy in, one replay, one copy out
+        host_fed = FFNLayer(pool, graph_buckets=buckets)
+        host_fed.capture_graphs(host_fed=True)
     bytes_per_expert = 3 * h * inter * pool.storage.element_size()
     rows, prefill_rows, sweep = [], [], []
     from afore.migrator.copy_engine import make_copy_engine
@@ -258,6 +266,7 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
                 ib.copy_(ids_d)
                 wb.copy_(w_d)
                 row["step_zero_copy_ms"] = per_call_ms(lambda: graphed(hb, ib, wb, plan), device, reps)
+                row.update(_host_fed_arm(host_fed, plan, x, ids, weights, out, reps))
                 row.update(_plan_change_arms(graphed, pool, plan, shape, x, ids_d, w_d, engine, args, device, rng))
             else:
                 from afore.ffn import _triton_kernels as kernels
@@ -293,6 +302,32 @@ def bench_model(name: str, dims: tuple, args, device: torch.device, rates: dict 
     return {"decode": rows, "prefill": prefill_rows, "prefill_config_sweep": sweep,
             "shape": {"hidden": h, "intermediate": inter, "experts": e, "top_k": k, "workers": f,
                       "slots": pool.num_slots, "bytes_per_expert": bytes_per_expert, "dtype": str(dtype)}}
+
+
+def _host_fed_arm(layer: FFNLayer, plan, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  step_out: torch.Tensor, reps: int) -> dict:
+    """``FFNLayer.forward_host_routed`` as a GPU worker of the shm transport calls it: ids and
+    weights on the host, its tokens' rows gathered from host memory into the packed pinned buffer,
+    one copy in, the replay, one copy out, one wait. Wall time per call (the worker waits for it),
+    and its rows against the device step's output for the same tokens."""
+    x_host = x.cpu()
+    ids_h, w_h = ids.to(torch.int32).cpu().contiguous(), weights.float().cpu().contiguous()
+
+    def gather(tokens: torch.Tensor, out: torch.Tensor) -> None:
+        torch.index_select(x_host, 0, tokens, out=out)
+
+    layer.stage_plan(plan)
+    call = lambda: layer.forward_host_routed(gather, ids_h, w_h, plan)  # noqa: E731
+    tokens, rows = call()
+    want = step_out[tokens.to(step_out.device)].float().cpu()
+    err = float((rows.float() - want).norm() / want.norm().clamp_min(1e-30)) if tokens.numel() else 0.0
+    for _ in range(3):
+        call()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return {"host_fed_ms": (time.perf_counter() - t0) * 1e3 / reps, "host_fed_rel_error_vs_step": err,
+            "host_fed_graphed": bool(layer.host_feeding)}
 
 
 def _plan_change_arms(layer, pool, plan, shape, x, ids, weights, engine, args, device, rng) -> dict:
@@ -392,6 +427,7 @@ def judge(data: dict) -> dict:
         return max(vals) if vals else None
 
     out = {"decode_vs_floor": worst(decode, "step_ms", "floor_ms"),
+           "decode_host_fed_vs_floor": worst(decode, "host_fed_ms", "floor_ms"),
            "decode_vs_gemm": worst(decode, "step_ms", "gemm_ms"),
            "prefill_vs_floor": worst(prefill, "step_ms", "floor_ms"),
            "changed_vs_unchanged": worst(decode, "changed_plan_ms", "same_plan_ms"),
@@ -415,15 +451,18 @@ def _markdown(data: dict) -> str:
         s = m["shape"]
         lines += [f"## {name} (H={s['hidden']}, I={s['intermediate']}, E={s['experts']}, top-{s['top_k']}, "
                   f"F={s['workers']}, {s['slots']} slots, {s['dtype']})", "",
-                  "Decode (CUDA graphs). `step`: FFNLayer.forward as the worker calls it; `replay`: the graph alone; "
+                  "Decode (CUDA graphs). `step`: FFNLayer.forward as the worker calls it; `host-fed`: "
+                  "FFNLayer.forward_host_routed as a GPU worker of the shm transport calls it (host ids and rows, one "
+                  "packed copy in, the replay, one copy out, one wait; wall time per call); `replay`: the graph alone; "
                   "`gemm`: the two expert kernels alone (graph); `eager`: same kernels without graphs; vLLM: "
                   "fused_experts on the same pairs (graph / eager).", ""]
-        headers = ["pairs", "active", "floor ms", "step ms", "step/floor", "step in-place ms", "replay ms", "route ms",
+        headers = ["pairs", "active", "floor ms", "step ms", "step/floor", "host-fed ms", "host-fed/floor",
+                   "step in-place ms", "replay ms", "route ms",
                    "gemm ms", "combine ms", "step/gemm",
                    "eager ms", "vllm graph ms", "vllm tuned graph ms", "vllm eager ms", "same plan ms",
                    "changed ms", "changed+copy ms", "graph==eager", "rel err"]
         rows = [[r["pairs"], r["active_slots"], r.get("floor_ms"), r.get("step_ms"), _ratio(r.get("step_ms"), r.get("floor_ms")),
-                 r.get("step_zero_copy_ms"), r.get("replay_ms"), r.get("route_ms"), r.get("gemm_ms"), r.get("combine_ms"),
+                 r.get("host_fed_ms"), _ratio(r.get("host_fed_ms"), r.get("floor_ms")), r.get("step_zero_copy_ms"), r.get("replay_ms"), r.get("route_ms"), r.get("gemm_ms"), r.get("combine_ms"),
                  _ratio(r.get("step_ms"), r.get("gemm_ms")), r.get("eager_ms"),
                  r.get("vllm_graph_ms"), r.get("vllm_tuned_graph_ms"), r.get("vllm_eager_ms"), r.get("same_plan_ms"),
                  r.get("changed_plan_ms"), r.get("changed_plan_with_copy_ms"), r.get("graph_equals_eager"),
