@@ -281,7 +281,8 @@ class FFNWorker:
                 self.metrics.count_plan("rejected")
                 log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, mb.seq, self.migrator.last_rejection)
                 plan = None
-        if plan is not None and routed is not None and not np.array_equal(plan.demand, routed):
+        made_here = self.plan_source is not None and self.plan_source.needs_demand  # from these very counts
+        if plan is not None and routed is not None and not made_here and not np.array_equal(plan.demand, routed):
             # the plan was made for other demand (wrong or stale report): correct either way, but
             # its balance is not what it claims, so it is not used (and not counted as used)
             self.metrics.count_plan("mismatched")
