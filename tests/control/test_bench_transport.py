@@ -48,3 +48,45 @@ def test_serve_selection_and_itl_ratios():
     serve = {"vllm": rounds((2.0, 10.0), (1.0, 6.0), (3.0, 8.0)), "afore-shm": rounds((6.0, 16.0), (4.0, 20.0)),
              "afore-shm-workers": rounds((3.0, 12.0))}
     assert itl_ratios(serve) == [("afore-shm", 2.5, 2.25), ("afore-shm-workers", 1.5, 1.5)]
+
+
+def test_interleaved_rounds_alternate_servers_and_stop_all(monkeypatch, tmp_path):
+    """``--serve-interleave``: every server is started before any round, round r runs on each
+    server in turn, and every started server is stopped, also when a round fails."""
+    from afore.bench.dataplane import transport as tr
+
+    events = []
+
+    class Fake:
+        def __init__(self, name, command, url, log_dir, env=None):
+            if name == "broken-start":
+                raise RuntimeError("did not start")
+            self.name, self.n = name, 0
+            events.append(("start", name))
+
+        def round(self, model, requests, concurrency):
+            if self.name == "fails" and self.n == 1:
+                raise RuntimeError("round failed")
+            events.append(("round", self.name, self.n))
+            self.n += 1
+
+        def result(self):
+            return {"rounds": self.n}
+
+        def stop(self):
+            events.append(("stop", self.name))
+
+    monkeypatch.setattr(tr, "_Served", Fake)
+    specs = [("a", [], "u", None), ("b", [], "u", None)]
+    out = tr._serve_interleaved(specs, "m", 4, 2, 2, tmp_path)
+    assert out == {"a": {"rounds": 2}, "b": {"rounds": 2}}
+    assert events == [("start", "a"), ("start", "b"), ("round", "a", 0), ("round", "b", 0), ("round", "a", 1),
+                      ("round", "b", 1), ("stop", "a"), ("stop", "b")]
+    events.clear()
+    with pytest.raises(RuntimeError, match="round failed"):
+        tr._serve_interleaved([("a", [], "u", None), ("fails", [], "u", None)], "m", 4, 2, 2, tmp_path)
+    assert ("stop", "a") in events and ("stop", "fails") in events
+    events.clear()
+    with pytest.raises(RuntimeError, match="did not start"):
+        tr._serve_interleaved([("a", [], "u", None), ("broken-start", [], "u", None)], "m", 4, 2, 2, tmp_path)
+    assert events == [("start", "a"), ("stop", "a")]

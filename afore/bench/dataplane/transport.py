@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-requests", type=int, default=24)
     g.add_argument("--serve-concurrency", type=int, default=4)
     g.add_argument("--serve-rounds", type=int, default=2, help="benchmark rounds per server")
+    g.add_argument("--serve-interleave", action="store_true",
+                   help="start every server first, then run round r of each in turn (servers side by side: "
+                        "on a shared machine each round of every server sees the same conditions)")
     g.add_argument("--serve-only", default="", metavar="NAMES",
                    help=f"comma-separated servers to run (default all: {', '.join(SERVERS)}); plain vllm always runs")
 
@@ -175,28 +178,70 @@ def measure_bytes(hidden: int = 2048, top_k: int = 8, num_experts: int = 128, nu
 # ------------------------------------------------------------------ 3. serve
 
 
+class _Served:
+    """One server of ``--serve``: started, benchmarked round by round, stopped."""
+
+    def __init__(self, name: str, command: list[str], url: str, log_dir: Path, env: dict | None = None) -> None:
+        from afore.bench.serve import wait_ready
+
+        self.name, self.command, self.url = name, command, url
+        self.log = open(log_dir / f"{name}.log", "ab")
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        try:
+            print(f"afore bench dataplane: starting {name}: {' '.join(command)}", file=sys.stderr)
+            wait_ready(url, 900, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        self.rng = np.random.default_rng(0)  # the same prompts on every server, round by round
+        self.results: list[dict] = []
+        self.before = _figures(url)
+
+    def round(self, model: str, requests: int, concurrency: int) -> None:
+        from afore.bench.serve import Prompt, run_load
+
+        # random 64-token prompts (vLLM's random data set style), 32 output tokens each
+        prompts = [Prompt(" ".join(str(int(t)) for t in self.rng.integers(0, 1000, 64)), 32) for _ in range(requests)]
+        r = len(self.results)
+        self.results.append(asyncio.run(run_load(self.url, model, prompts, concurrency, True, 2, f"{self.name} round {r}")))
+
+    def result(self) -> dict:
+        return {"command": self.command, "rounds": self.results, "figures": _figure_means(self.before, _figures(self.url))}
+
+    def stop(self) -> None:
+        from afore.bench.serve import stop_server
+
+        stop_server(self.proc)
+        self.log.close()
+
+
 def _serve_one(name: str, command: list[str], url: str, model: str, requests: int, concurrency: int, rounds: int,
                log_dir: Path, env: dict | None = None) -> dict:
-    from afore.bench.serve import Prompt, run_load, stop_server, wait_ready
-
-    log = open(log_dir / f"{name}.log", "ab")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    server = _Served(name, command, url, log_dir, env)
     try:
-        print(f"afore bench dataplane: starting {name}: {' '.join(command)}", file=sys.stderr)
-        wait_ready(url, 900, proc)
-        rng = np.random.default_rng(0)
-        results = []
-        before = _figures(url)
-        for r in range(rounds):
-            # random 64-token prompts (vLLM's random data set style), 32 output tokens each
-            prompts = [Prompt(" ".join(str(int(t)) for t in rng.integers(0, 1000, 64)), 32) for _ in range(requests)]
-            results.append(asyncio.run(run_load(url, model, prompts, concurrency, True, 2, f"{name} round {r}")))
-        after = _figures(url)
-        return {"command": command, "rounds": results, "figures": _figure_means(before, after)}
+        for _ in range(rounds):
+            server.round(model, requests, concurrency)
+        return server.result()
     finally:
-        stop_server(proc)
-        log.close()
+        server.stop()
+
+
+def _serve_interleaved(specs: list[tuple[str, list[str], str, dict | None]], model: str, requests: int,
+                       concurrency: int, rounds: int, log_dir: Path) -> dict:
+    """Every server up at once, then round r of each in turn (``--serve-interleave``): on a shared
+    machine whose speed drifts, each round of every server sees about the same conditions."""
+    servers: list[_Served] = []
+    try:
+        for name, command, url, env in specs:
+            servers.append(_Served(name, command, url, log_dir, env))
+        for _ in range(rounds):
+            for server in servers:
+                server.round(model, requests, concurrency)
+        return {server.name: server.result() for server in servers}
+    finally:
+        for server in servers:
+            server.stop()
 
 
 #: histogram families whose mean over the benchmark rounds the report shows (afore servers only)
@@ -276,13 +321,20 @@ def measure_serve(args, log_dir: Path) -> dict:
         ("vllm", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common, "--seed", "0"],
          {"VLLM_CPU_KVCACHE_SPACE": "1", "AFORE_STAGE_TRACE": str(plain_trace)}),  # vLLM's step phases (the plugin)
     ]
+    specs = []
     for name, cmd, env in servers:
         if name not in selected:
             continue
         port = free_port()
-        cmd = [*cmd, "--port", str(port)]
-        out[name] = _serve_one(name, cmd, f"http://127.0.0.1:{port}", model, args.serve_requests,
-                               args.serve_concurrency, args.serve_rounds, log_dir, env)
+        specs.append((name, [*cmd, "--port", str(port)], f"http://127.0.0.1:{port}", env))
+    if getattr(args, "serve_interleave", False):
+        out.update(_serve_interleaved(specs, model, args.serve_requests, args.serve_concurrency, args.serve_rounds,
+                                      log_dir))
+    else:
+        for name, cmd, url, env in specs:
+            out[name] = _serve_one(name, cmd, url, model, args.serve_requests, args.serve_concurrency,
+                                   args.serve_rounds, log_dir, env)
+    out["interleaved"] = bool(getattr(args, "serve_interleave", False))
     from afore.models.checkpoint import read_model_spec
 
     layers = len(read_model_spec(model).moe_layer_indices)
@@ -496,6 +548,9 @@ def markdown(r: dict) -> str:
         lines += ["## Decode through the HTTP API (tiny Qwen3-MoE, float32, A=1, F=2; vLLM's serving client: "
                   "random 64-token prompts, 32 output tokens, 24 requests, concurrency 4)", "",
                   "| server | round | median ITL ms | p99 ITL ms | median TPOT ms | output tok/s |", "|---|---|---|---|---|---|"]
+        order = ("interleaved: every server up at once, round r of each in turn (--serve-interleave)"
+                 if s.get("interleaved") else "one server after another, each started alone")
+        lines[-2:-2] = [f"Rounds: {order}.", ""]
         for name in SERVERS:
             for i, rr in enumerate(s.get(name, {}).get("rounds", [])):
                 lines.append(f"| {name} | {i} | {rr['itl_ms']['p50']:.2f} | {rr['itl_ms']['p99']:.2f} | "
