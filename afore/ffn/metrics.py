@@ -19,6 +19,7 @@ Families (label ``worker``: this worker's rank; ``layer``: MoE layer ordinal; ba
                                              (``--planner workers``: this worker made the plan)
   afore_ffn_planner_resets_total             replicated planner: restarts from empty slots after
                                              a failed vote (every worker at the same target)
+  afore_ffn_policy_switches_total            replicated planner: policy switches followed
   afore_ffn_queued_targets                   gauge: targets received and waiting
   afore_ffn_tile_imbalance{layer,placement}  histogram: max/mean tile load of each executed
                                              target, placement = plan | primary_only
@@ -130,6 +131,8 @@ class FFNMetrics:
                                       "plan on this worker", SECONDS_BUCKETS).labels(w)
         self.planner_resets = counter("afore_ffn_planner_resets", "replicated planner: restarts from empty "
                                       "redundant slots after a failed vote").labels(w)
+        self.policy_switches = counter("afore_ffn_policy_switches", "replicated planner: policy switches "
+                                       "followed (afore serve's policy board)").labels(w)
         self.queued = Gauge("afore_ffn_queued_targets", "targets received and waiting (lookahead depth)", ("worker",),
                             registry=r, multiprocess_mode="livesum").labels(w)
         self._imbalance = Histogram("afore_ffn_tile_imbalance", "max/mean tile load over the FFN workers of each "

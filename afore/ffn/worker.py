@@ -82,6 +82,7 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: str = ""
     params: SchedulerParams = SchedulerParams()
     cost: CostModel = CostModel()
+    policy_board: str = ""            # with policy: the board afore serve posts policy switches on ("" = fixed)
     metrics_port: int = 0             # 0 = no HTTP endpoint
     copy_delay_ms: float = 0.0        # artificial delay per copy (CPU tests)
     # The pool's shape as afore serve's launcher computed it once (m_tile, primary layout and all),
@@ -115,6 +116,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_tokens: expected >= 1 with shm_segment, got {self.max_tokens}")
         if self.exact and not self.shm_segment:
             raise ValueError("exact: needs the shm transport (shm_segment), whose replies carry a row per pair")
+        if self.policy_board and not self.policy:
+            raise ValueError("policy_board: needs policy (the replicated planner), got none")
         if self.policy:
             from afore.scheduler.policies import POLICY_NAMES
 
@@ -122,6 +125,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
             if self.plan_ring:
                 raise ValueError("policy, plan_ring: expected one planner (this worker's policy or the scheduler's ring), got both")
+            if self.policy_board and "/" in self.policy_board:
+                raise ValueError(f"policy_board: expected a segment name without '/', got {self.policy_board!r}")
             if not self.device.startswith("cpu") and not self.shm_segment:
                 raise ValueError("policy: the replicated planner needs each target's ids on the host (a CPU worker or "
                                  "the shm transport); torch.distributed on a GPU delivers them on the device")
@@ -187,6 +192,13 @@ class FFNWorker:
 
             plan_source = ReplicatedPlanSource(cfg.policy, self.shape, cfg.params, cfg.cost)
         self.plan_source = plan_source
+        # the replicated planner's policy switches (afore.scheduler.policy_board), read before each plan
+        self.policy_reader = None
+        if cfg.policy_board and plan_source is not None and plan_source.needs_demand:
+            from afore.scheduler.policy_board import PolicyReader
+
+            self.policy_reader = PolicyReader(cfg.policy_board)
+            self.policy_reader.changed()  # the policy in force now: the one this worker started with
         # the measured lookahead windows, fed back to the scheduler (afore.scheduler.window_feedback)
         self.window_reporter = None
         if cfg.plan_ring:
@@ -272,6 +284,8 @@ class FFNWorker:
         # counted before the plan is waited for: it needs only the target, and the plan usually
         # comes after the target (the scheduler's turn-around), so this costs no wait
         self._routed = routed = self._routed_counts(mb)
+        if self.policy_reader is not None:
+            self._follow_policy(mb)
         plan = self._early.pop(mb.seq, None)
         if plan is None:
             plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3, routed)
@@ -319,15 +333,33 @@ class FFNWorker:
         plans read ahead (made on the old state), empty the redundant slots (the migrator's
         projection; their contents are overwritten by later copies) and start the policy afresh
         from ``mb``, so that the next plans are made from the same empty state everywhere."""
+        self._drop_planned()
+        self.plan_source.reset(mb.seq)
+        self.metrics.planner_resets.inc()
+        log.warning("worker %d: the FFN workers did not agree on plan %d: replicated planner restarted from "
+                    "empty redundant slots", self.cfg.rank, mb.seq)
+
+    def _follow_policy(self, mb: Microbatch) -> None:
+        """A policy switch posted on the board since the last target: plan from ``mb`` on with a
+        fresh instance of the new policy, from empty redundant slots (as after a failed vote). The
+        workers see the notice at about the same target; where they do not, their plans differ, the
+        vote fails on the digests and every worker restarts at that target (policy_board)."""
+        change = self.policy_reader.changed()
+        if change is None:
+            return
+        epoch, policy = change
+        self._drop_planned()
+        self.plan_source.switch(policy, mb.seq - 1)
+        self.metrics.policy_switches.inc()
+        log.info("worker %d: planning with policy %s from target %d (switch %d)", self.cfg.rank, policy, mb.seq, epoch)
+
+    def _drop_planned(self) -> None:
+        """Forget the plans read ahead and empty the redundant slots (the migrator's projection)."""
         for plan in self._early.values():
             if plan is not None:
                 self.migrator.forget(plan)
         self._early.clear()
         self.migrator.empty_redundant_slots()
-        self.plan_source.reset(mb.seq)
-        self.metrics.planner_resets.inc()
-        log.warning("worker %d: the FFN workers did not agree on plan %d: replicated planner restarted from "
-                    "empty redundant slots", self.cfg.rank, mb.seq)
 
     def _primary_only(self, mb: Microbatch) -> Plan:
         routed = self._routed
@@ -490,6 +522,8 @@ class FFNWorker:
         self.connector.close()
         if self.plan_source is not None:
             self.plan_source.close()
+        if self.policy_reader is not None:
+            self.policy_reader.close()
 
 
 def serve_worker(cfg: FFNWorkerConfig) -> int:

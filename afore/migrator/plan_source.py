@@ -180,6 +180,7 @@ class ReplicatedPlanSource(PlanSource):
         self.shape = shape
         self.last_seq = -1
         self.resets = 0
+        self.switches = 0
         self.errors = 0
         self.plan_seconds = 0.0  # the last plan's policy time
 
@@ -202,6 +203,16 @@ class ReplicatedPlanSource(PlanSource):
             return None
         self.plan_seconds = time.perf_counter() - t0
         return plan
+
+    def switch(self, policy: str, through_seq: int) -> None:
+        """Plan the targets after ``through_seq`` with a fresh ``policy`` (a policy switch, read
+        from the policy board: ``afore.scheduler.policy_board``)."""
+        from afore.scheduler.service import make_service_policy
+
+        self.policy = make_service_policy(policy, self.shape, self.policy.params, self.policy.cost)
+        self.policy_name = policy
+        self.last_seq = through_seq
+        self.switches += 1
 
     def reset(self, through_seq: int) -> None:
         """Forget every layer's state (empty slot tables, no history) after the target

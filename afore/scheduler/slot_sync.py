@@ -28,7 +28,7 @@ import struct
 
 import numpy as np
 
-from afore.scheduler.window_feedback import segment_path
+from afore.scheduler.window_feedback import segment_path, unlink_segment
 
 _HEADER = struct.Struct("<8sIIII")  # magic, version, workers, layers, slots
 MAGIC, VERSION = b"AFSLOTS1", 1
@@ -104,10 +104,7 @@ class SlotSync:
         self._records = []
         self._seg.map.close()
         self._seg = None
-        try:
-            os.unlink(segment_path(self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
 
 
 class SlotReporter:

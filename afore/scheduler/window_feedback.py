@@ -50,6 +50,14 @@ def segment_path(name: str) -> str:
     return f"/dev/shm/{name}"
 
 
+def unlink_segment(name: str) -> None:
+    """Remove /dev/shm/<name> if it is there (an owner's close; a killed owner's leftovers)."""
+    try:
+        os.unlink(segment_path(name))
+    except FileNotFoundError:
+        pass
+
+
 def _monotonic_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
@@ -112,10 +120,7 @@ class WindowFeedback:
         self._records = None
         self._map.close()
         self._map = None
-        try:
-            os.unlink(segment_path(self.name))
-        except FileNotFoundError:
-            pass
+        unlink_segment(self.name)
 
 
 class WindowReporter:

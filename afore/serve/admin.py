@@ -7,7 +7,8 @@ Routes (OpenAPI page at ``/docs``, schema at ``/openapi.json``):
   ``degraded`` (scheduler restarting or failed: served primary-only) or ``failing`` (an FFN
   worker or vLLM exited), the dead processes and the reason (afore.serve.supervisor);
 - ``POST /afore/policy`` with ``{"policy": NAME}``: restart the scheduler with another placement
-  policy (serving goes on meanwhile on primary-only plans); answers the new status;
+  policy (serving goes on meanwhile on primary-only plans; ``--planner workers``: post it on the
+  FFN workers' policy board); answers the new status;
 - ``GET /metrics``: on the FFN node (role ffn, no vLLM there) afore's Prometheus families of every
   process of the node (docs/metrics.md); 404 on the other roles, whose API port serves them.
 

@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(attention replies, FFN targets and plans, scheduler demand); costs a core per waiting "
                              "process (default 0: always block; docs/serving.md says what 2000 measured)")
     parser.add_argument("--planner", default="scheduler", choices=PLANNERS,
-                        help="who plans each target: the scheduler process (demand mailbox -> policy -> plan ring; the "
-                             "policy can be switched while serving) or every FFN worker itself, replicated (the same "
+                        help="who plans each target: the scheduler process (demand mailbox -> policy -> plan ring) or "
+                             "every FFN worker itself, replicated (the same "
                              "deterministic policy on the same routed counts: no demand, plan or process hop on the "
                              "decode path; one node, the shm transport on cuda)")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")

@@ -375,6 +375,8 @@ class Launcher:
         self.mailbox_name, self.ring_name = f"{tag}-demand", f"{tag}-plans"
         self.data_name = f"{tag}-data" if uses_shm(opts) else ""  # the shm transport's segment
         self.data_plane = None
+        self.policy_board = None  # --planner workers: afore.scheduler.policy_board.PolicyBoard, made with the FFN workers
+        self.board_name = f"{tag}-policy"
         self._admin = None  # afore.serve.admin.AdminServer once started
         self.output = ChildOutput(opts.verbose, opts.log_file)  # where the children's stdout/stderr go
         self._shape = None  # shape(): computed once
@@ -525,6 +527,10 @@ class Launcher:
         # role ffn under a wildcard --host: the store is hosted by this process on every interface
         store_host = "127.0.0.1" if is_wildcard(self.transport_host) else self.transport_host
         first_device = opts.attn_workers if opts.role == "all" else 0
+        if opts.planner == "workers" and self.policy_board is None:  # before the workers: they open it at start
+            from afore.scheduler.policy_board import PolicyBoard
+
+            self.policy_board = PolicyBoard(self.board_name, self.policy)
         for w in range(opts.ffn_workers):
             # timeout_s bounds the FFN side's own waits (the rendezvous with a starting vLLM
             # included); a request's latency is bounded on the attention side (exchange_timeout_s)
@@ -543,7 +549,7 @@ class Launcher:
         planner = {"plan_ring": self.ring_name}
         if opts.planner == "workers":  # this worker plans every target itself (ReplicatedPlanSource)
             params, cost = self.planning()
-            planner = {"policy": self.policy, "params": params, "cost": cost}
+            planner = {"policy": self.policy, "params": params, "cost": cost, "policy_board": self.board_name}
         return FFNWorkerConfig(rank=rank, num_ffn=opts.ffn_workers, num_attention=opts.attn_workers, model=self.model,
                                host=store_host, port=self.store_port, device=self._worker_device(device_index),
                                dtype=self.dtype, backend=self.backend, redundant_slots=shape.redundant_slots,
@@ -664,6 +670,8 @@ class Launcher:
 
     def switch_policy(self, policy: str, timeout_s: float = 120.0) -> None:
         """Restart the scheduler with ``policy``; serving goes on meanwhile on primary-only plans.
+        With ``--planner workers``: post ``policy`` on the policy board, which every FFN worker reads
+        before its next plan (afore.scheduler.policy_board; a few targets run primary-only).
 
         Callable from any thread: the restart itself runs on the supervising (main) thread,
         because a child's parent-death signal is tied to the thread that started it.
@@ -673,10 +681,13 @@ class Launcher:
         if self.opts.role == "attention":
             raise ValueError(f"policy: the scheduler runs on the FFN node ({self.opts.ffn_host}); "
                              "switch the policy at that node's admin endpoint")
-        if self.opts.planner == "workers":
-            raise ValueError(f"policy: with --planner workers every FFN worker plans with the policy it started with "
-                             f"({self.policy}); restart afore serve with --policy {policy}, or serve with --planner "
-                             f"scheduler to switch policies while serving")
+        if self.opts.planner == "workers":  # every FFN worker follows the board before its next plan
+            with self._lock:
+                if self.policy_board is None:
+                    raise ValueError("policy: the FFN workers are not started yet (no policy board to post on)")
+                self.policy_board.set(policy)
+                self.policy = policy
+            return
         if threading.current_thread() is self._main_thread:
             return self._restart_scheduler(policy)
         done: dict = {"event": threading.Event()}
@@ -783,6 +794,9 @@ class Launcher:
         if self.data_plane is not None:
             self.data_plane.close()
             self.data_plane = None
+        if self.policy_board is not None:
+            self.policy_board.close()
+            self.policy_board = None
         self.store = None
         if self.metrics_dir:
             multiprocess.remove_dir(self.metrics_dir)
@@ -851,7 +865,7 @@ class Launcher:
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""
-        for name in (self.mailbox_name, self.ring_name):
+        for name in (self.mailbox_name, self.ring_name, self.board_name):
             path = os.path.join("/dev/shm", name.lstrip("/"))
             try:
                 os.unlink(path)

@@ -116,8 +116,13 @@ def test_planner_workers_token_identical_with_plans_copies_and_no_scheduler(mode
         assert _metric(text, "afore_ffn_planner_resets_total") == 0
         assert value("afore_ffn_plan_seconds_count", 'worker="1"') == targets
         assert _metric(text, "afore_ffn_copies_total") > 0
-        code, body = server.set_policy("eplb")
-        assert code == 400 and "--planner workers" in str(body), body
+        # a switch goes to the FFN workers through the policy board: every worker follows it
+        code, status = server.set_policy("eplb")
+        assert code == 200 and status["policy"] == "eplb" and "scheduler" not in status["processes"], status
+        assert_same_generation(server.greedy(), want)
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert _metric(text, "afore_ffn_policy_switches_total") == 2  # both workers
+        assert _metric(text, "afore_ffn_primary_only_targets_total") == 0  # they switched at the same target
     finally:
         server.stop()
 

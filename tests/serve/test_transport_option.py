@@ -214,17 +214,38 @@ def test_planner_workers_reaches_the_ffn_workers_and_starts_no_demand_path(start
     assert json.loads(started[-1][1][CONFIG_ENV])["mailbox"].endswith("-demand")
 
 
-def test_planner_workers_is_healthy_without_a_scheduler_and_refuses_a_policy_switch():
-    import afore.serve.launcher as launcher_mod
+def test_planner_workers_is_healthy_without_a_scheduler_and_switches_on_the_board(started):
+    """No scheduler process: /health is fine and reports the planner; a policy switch posts the
+    policy on the board the FFN workers read (made when they start, named in their configs), and
+    the board goes with the launcher's stop."""
+    import os
 
-    launcher = launcher_mod.Launcher(ServeOptions(planner="workers", policy="afore"))
+    import afore.serve.launcher as launcher_mod
+    from afore.scheduler.policy_board import PolicyReader
+
+    launcher = launcher_mod.Launcher(ServeOptions(planner="workers", policy="afore", transport="shm", store_port=29600))
     code, body = launcher.health()
     assert code == 200 and body["scheduler"] == {"state": "workers"}
     assert launcher.status()["planner"] == "workers"
-    with pytest.raises(ValueError, match="policy: with --planner workers every FFN worker plans with the policy it "
-                                         "started with \\(afore\\); restart afore serve with --policy eplb"):
+    with pytest.raises(ValueError, match="policy: the FFN workers are not started yet"):
         launcher.switch_policy("eplb")
-    assert launcher.policy == "afore"
+    _start_on_tiny(launcher)
+    workers = [json.loads(cmd[cmd.index("--config-json") + 1]) for cmd, _ in started if "ffn-worker" in cmd]
+    assert {w["policy_board"] for w in workers} == {launcher.board_name}
+    reader = PolicyReader(launcher.board_name)
+    try:
+        assert reader.changed() == (1, "afore") and reader.changed() is None
+        launcher.switch_policy("eplb")
+        assert launcher.policy == "eplb" and launcher.status()["policy"] == "eplb"
+        assert reader.changed() == (2, "eplb")
+        with pytest.raises(ValueError, match="policy: expected one of"):
+            launcher.switch_policy("best")
+        assert reader.changed() is None and launcher.policy == "eplb"
+    finally:
+        reader.close()
+        launcher.ffn, launcher.server = [], None  # recorded, never started: nothing to stop but the segments
+        launcher.shutdown()
+    assert not os.path.exists(f"/dev/shm/{launcher.board_name}")
     # the scheduler's planner without its process is degraded, as before
     assert launcher_mod.Launcher(ServeOptions()).health()[0] == 503
 

@@ -55,7 +55,7 @@ def _worker(cfg_bytes: bytes, fault: tuple[str, int] | None) -> None:
         worker.close()
 
 
-def _serve(fault_on_worker1: tuple[str, int] | None = None):
+def _serve(fault_on_worker1: tuple[str, int] | None = None, switch: tuple[int, str] | None = None):
     """Run TARGETS skewed targets over the model's MoE layers through two replicated-planner workers; returns
     (max relative error against the dense layer, worker 0's /metrics text)."""
     import msgspec
@@ -78,11 +78,19 @@ def _serve(fault_on_worker1: tuple[str, int] | None = None):
         ids, tw = random_routing(24, shape, rng, skew=1.6)
         inputs.append((torch.randn(24, spec.hidden_size), ids, tw))
     port, metrics_port = free_port(), free_port()
+    board = None
+    if switch is not None:  # afore serve's policy board: switched after switch[0] targets
+        import os
+
+        from afore.scheduler.policy_board import PolicyBoard
+
+        board = PolicyBoard(f"afore-test-planner-board-{os.getpid()}", "afore")
     ctx = mp.get_context("spawn")
     procs = []
     for r in range(2):
         cfg = FFNWorkerConfig(rank=r, num_ffn=2, num_attention=1, model=path, port=port, m_tile=2, shape=shape,
-                              policy="afore", cost=cost, metrics_port=metrics_port if r == 0 else 0, timeout_s=60)
+                              policy="afore", cost=cost, metrics_port=metrics_port if r == 0 else 0, timeout_s=60,
+                              policy_board=board.name if board is not None else "")
         proc = ctx.Process(target=_worker, args=(msgspec.json.encode(cfg), fault_on_worker1 if r == 1 else None))
         proc.start()
         procs.append(proc)
@@ -90,12 +98,18 @@ def _serve(fault_on_worker1: tuple[str, int] | None = None):
     try:
         conn = AttentionConnector(TransportConfig("127.0.0.1", port, 1, 2, spec.hidden_size, spec.top_k, timeout_s=60), 0)
         targets = [Target.from_seq(seq, shape.num_layers, 1) for seq in range(TARGETS)]
-        outs = [conn.exchange(targets[seq], seq, *inputs[seq]) for seq in range(TARGETS)]
+        outs = []
+        for seq in range(TARGETS):
+            if switch is not None and seq == switch[0]:
+                board.set(switch[1])
+            outs.append(conn.exchange(targets[seq], seq, *inputs[seq]))
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     finally:
         stop_ffn_workers(procs)
         if conn is not None:
             conn.close()
+        if board is not None:
+            board.close()
     assert [p.exitcode for p in procs] == [0, 0]
     err = 0.0
     for seq in range(TARGETS):
@@ -152,3 +166,22 @@ def test_workers_holding_different_plans_agree_on_none():
     assert metric(text, "afore_ffn_primary_only_targets_total") == 1
     assert metric(text, "afore_ffn_planner_resets_total") == 1
     assert metric(text, "afore_ffn_plans_total", 'outcome="used"') == TARGETS - 1
+
+
+@pytest.mark.parametrize("at", [0, 5])
+def test_a_policy_switch_on_the_board_is_followed_by_every_worker(at):
+    """``POST /afore/policy`` under ``--planner workers`` posts on the policy board: both workers
+    read it before the next target and plan from there with the new policy (static: no replicas;
+    switched before the first target, no copy is made at all, where the afore policy copies on
+    these inputs: test_replicated_planners_agree_on_every_target); every target stays on an agreed
+    plan and exact."""
+    from test_ffn_end_to_end import metric
+
+    err, text, _ = _serve(switch=(at, "static"))
+    assert err <= 1e-5
+    assert metric(text, "afore_ffn_policy_switches_total") == 1
+    assert metric(text, "afore_ffn_plans_total", 'outcome="used"') == TARGETS
+    assert metric(text, "afore_ffn_primary_only_targets_total") == 0
+    assert metric(text, "afore_ffn_plans_total", 'outcome="diverged"') == 0
+    if at == 0:
+        assert metric(text, "afore_ffn_copies_total") == 0
