@@ -208,7 +208,10 @@ def plan_digest(plan: "Plan") -> int:
     slot bindings and copies (crc32 over their bytes). Workers vote it with their yes
     (``agree(flag, digest)``): equal digests mean the same partition and slots on every worker,
     so invariant 3 is checked, not assumed (e.g. under ``--planner workers``, where each worker
-    makes its plan itself). Never 0, the digest of "no plan"."""
+    makes its plan itself). Never 0, the digest of "no plan". 32 bits: two different plans agree
+    falsely with a chance of about 2**-32, and only where the workers diverged at all (a fault);
+    adding adler32 for 63 bits doubled the cost (12 against 5.5 us at E=128, F=8 on the 2-core CI machine, whose zlib
+    computes crc32 without hardware help)."""
     import struct
     import zlib
 

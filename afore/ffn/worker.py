@@ -198,7 +198,9 @@ class FFNWorker:
             from afore.scheduler.policy_board import PolicyReader
 
             self.policy_reader = PolicyReader(cfg.policy_board)
-            self.policy_reader.changed()  # the policy in force now: the one this worker started with
+            now = self.policy_reader.changed()  # the policy in force now: a switch posted before this worker started counts
+            if now is not None and now[1] != cfg.policy:
+                plan_source.switch(now[1], -1)
         # the measured lookahead windows, fed back to the scheduler (afore.scheduler.window_feedback)
         self.window_reporter = None
         if cfg.plan_ring:
