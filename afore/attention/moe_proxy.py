@@ -60,6 +60,7 @@ class ForwardCounter:
         if not 0 <= self.worker < cfg.attn_workers:
             raise ValueError(f"data_parallel_rank: expected in [0, {cfg.attn_workers}) (attn_workers), got {self.worker}")
         self._link: TorchLink | None = None
+        self._stream = None  # afore.attention.stream.StreamExchange with cfg.exchange "stream"
         self.clock = StageClock(self.worker)
         self.prev_exit_ns: dict[int, int] = {}  # ping-pong: per microbatch, when its last exchange ended
         self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker, cfg.demand,
@@ -70,6 +71,15 @@ class ForwardCounter:
         if self._link is None:
             self._link = ShmLink(self.cfg, self.worker) if self.cfg.shm_segment else TorchLink(self.cfg, self.worker)
         return self._link
+
+    @property
+    def stream(self):
+        """The exchange on the CUDA stream (afore.attention.stream), or None (the host exchange)."""
+        if self._stream is None and self.cfg.exchange == "stream":
+            from afore.attention.stream import StreamExchange
+
+            self._stream = StreamExchange(self.link.end, len(self.cfg.moe_layers), self.cfg.mailbox, self.cfg.num_experts)
+        return self._stream
 
     def seq(self, layer: int, microbatch: int) -> int:
         return Target(self.step, layer, microbatch).seq(len(self.cfg.moe_layers), self.cfg.microbatches)
@@ -226,6 +236,7 @@ class RemoteRoutedExperts(_RoutedExperts):
             if cfg.pingpong and cfg.microbatches >= 2:
                 pingpong.install(cfg.microbatches)  # vLLM's runner splits safe decode steps (afore.attention.pingpong)
             _counter(self.attn_worker).link  # connect to the FFN pool while the model is built, not at the first request
+            _counter(self.attn_worker).stream  # its page-locked buffers too: never allocated inside a graph capture
 
     def _get_quant_method(self, prefix, quant_config, moe_config):
         if quant_config is not None:
@@ -241,6 +252,8 @@ class RemoteRoutedExperts(_RoutedExperts):
                        out: torch.Tensor) -> None:
         """Exchange with the FFN pool; writes the combined routed output [n, H] into ``out``."""
         state = _counter(self.attn_worker)
+        if state.stream is not None:  # enqueued on the CUDA stream, capturable (afore.attention.stream)
+            return state.stream.forward(self.moe_position, x, topk_weights, topk_ids, out)
         cfg = state.cfg
         m = pingpong.current()
         if m is not None:
@@ -316,14 +329,22 @@ class RemoteRoutedExperts(_RoutedExperts):
         state.prev_exit_ns[m] = clock.prev_exit_ns = time.perf_counter_ns()
 
 
+def check_exchange() -> None:
+    """Raise the stream exchange's failure, if any (vLLM's runner calls it after every step's
+    outputs: ``vllm_compat.check_after_step``); a no-op for the host exchange."""
+    if _state is not None and _state._stream is not None:
+        _state._stream.check()
+
+
 REMOTE_EXPERTS_OP = "afore::remote_experts"
 
 
 @torch.library.custom_op(REMOTE_EXPERTS_OP, mutates_args=("out",))
 def remote_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                    layer_name: str) -> None:
-    """Opaque to torch.compile (the exchange is I/O with the FFN pool) and a splitting op of
-    vLLM's piecewise CUDA graphs (``vllm_compat.split_graph_at``): it runs eagerly, every step.
+    """Opaque to torch.compile (the exchange is I/O with the FFN pool). The host exchange makes it a
+    splitting op of vLLM's piecewise CUDA graphs (``vllm_compat.split_graph_at``): it runs eagerly,
+    every step; the stream exchange only enqueues work on the CUDA stream, so graphs capture it.
     ``x`` [n, H], ``topk_weights`` fp32 [n, k], ``topk_ids`` [n, k]; writes ``out`` [n, H]."""
     _layers[layer_name].remote_forward(x, topk_weights, topk_ids, out)
 

@@ -3,8 +3,10 @@
 vLLM calls ``register()`` in every process it starts, before it builds its config. With
 ``AFORE_STAGE_TRACE`` set it times vLLM's step phases (any role). It does nothing else unless
 ``AFORE_ROLE=attention``; in that role it swaps vLLM's routed experts for the
-remote-FFN proxy (:mod:`afore.attention.moe_proxy`) and makes the proxy's exchange op a
-splitting op of vLLM's piecewise CUDA graphs.
+remote-FFN proxy (:mod:`afore.attention.moe_proxy`); with the host exchange it makes the
+proxy's exchange op a splitting op of vLLM's piecewise CUDA graphs, with the stream exchange
+(:mod:`afore.attention.stream`) it leaves vLLM's graphs as they are and checks the exchange's
+outcome after every step's outputs.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ def register() -> None:
     from afore.attention import moe_proxy, vllm_compat
 
     vllm_compat.check_version()
-    role_.load_from_env()  # fail at start, in every process, on a malformed configuration
+    cfg = role_.load_from_env()  # fail at start, in every process, on a malformed configuration
     vllm_compat.register_routed_experts(moe_proxy.RemoteRoutedExperts)
-    # piecewise CUDA graphs: cut the graph at the exchange, as at attention
-    vllm_compat.split_graph_at(moe_proxy.REMOTE_EXPERTS_OP)
-    vllm_compat.trace_moe_forward(moe_proxy.RemoteRoutedExperts)
+    if cfg.exchange == "host":
+        # piecewise CUDA graphs: cut the graph at the exchange, as at attention
+        vllm_compat.split_graph_at(moe_proxy.REMOTE_EXPERTS_OP)
+        vllm_compat.trace_moe_forward(moe_proxy.RemoteRoutedExperts)
+    else:  # capturable (afore.attention.stream): vLLM's own MoE op and compile partition, as plain vLLM
+        vllm_compat.check_after_step(moe_proxy.check_exchange)
     vllm_compat.cpu_routing_fallback()
     log.info("afore: attention role, routed experts run on the FFN pool")
 

@@ -59,6 +59,9 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     pingpong: bool = True         # microbatches >= 2: split decode steps into ping-pong microbatches
                                   # (afore.attention.pingpong); False: post all of a call's targets, then wait
     spin_us: float = 0.0          # shm: busy-poll this long before blocking on the replies (afore serve --spin-us)
+    exchange: str = "host"        # host: each MoE layer call exchanges on the Python host (a splitting op of
+                                  # piecewise CUDA graphs); stream: enqueued on the CUDA stream as a host node,
+                                  # capturable (afore.attention.stream; shm, one microbatch)
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -97,6 +100,12 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
         if not self.spin_us >= 0:
             raise ValueError(f"spin_us: expected microseconds >= 0, got {self.spin_us}")
+        if self.exchange not in ("host", "stream"):
+            raise ValueError(f"exchange: expected 'host' or 'stream', got {self.exchange!r}")
+        if self.exchange == "stream" and (not self.shm_segment or self.microbatches != 1 or self.demand):
+            raise ValueError("exchange: 'stream' needs the shm transport (shm_segment), one microbatch and the FFN node's "
+                             f"mailbox, got shm_segment={self.shm_segment!r}, microbatches={self.microbatches}, "
+                             f"demand={self.demand!r}")
 
     def to_env(self) -> dict[str, str]:
         return {ROLE_ENV: "attention", CONFIG_ENV: msgspec.json.encode(self).decode()}

@@ -32,6 +32,9 @@ it eagerly between captured pieces; on CUDA vLLM wraps the whole MoE layer in it
 ``vllm::moe_forward`` op, which would hide the exchange from the graph splitter, so for afore's
 layers the runner calls the same Python entry it uses on CPU (:func:`trace_moe_forward`).
 Full CUDA graphs would capture the exchange: the launcher asks for ``cudagraph_mode=PIECEWISE``.
+The stream exchange (``afore serve --exchange stream``, afore.attention.stream) is capturable: no
+split, vLLM's own ``moe_forward`` op and its default graph modes, as plain vLLM; its failures are
+raised after the step (:func:`check_after_step`).
 """
 
 from __future__ import annotations
@@ -128,6 +131,35 @@ def trace_moe_forward(routed_experts_cls: type) -> None:
 
     _select_forward._afore = True
     runner._select_forward = _select_forward
+
+
+def check_after_step(check) -> None:
+    """Call ``check()`` once a step's outputs are on the host, before vLLM hands them on: after
+    ``GPUModelRunner.sample_tokens`` when it returns them synchronously, else after
+    ``AsyncGPUModelRunnerOutput.get_output`` (which waits for the step's copies). What ``check``
+    raises fails the step as a failed forward would. Idempotent."""
+    from vllm.v1.worker import gpu_model_runner as gmr
+
+    runner, async_out = gmr.GPUModelRunner, getattr(gmr, "AsyncGPUModelRunnerOutput", None)
+    sample = runner.__dict__.get("sample_tokens")
+    if sample is not None and not getattr(sample, "_afore_checked", False):
+        def sample_tokens(self, *args, _fn=sample, **kwargs):
+            out = _fn(self, *args, **kwargs)
+            if async_out is None or not isinstance(out, async_out):
+                check()
+            return out
+
+        sample_tokens._afore_checked = True
+        runner.sample_tokens = sample_tokens
+    get = async_out.__dict__.get("get_output") if async_out is not None else None
+    if get is not None and not getattr(get, "_afore_checked", False):
+        def get_output(self, *args, _fn=get, **kwargs):
+            out = _fn(self, *args, **kwargs)
+            check()
+            return out
+
+        get_output._afore_checked = True
+        async_out.get_output = get_output
 
 
 def routed_experts_base():

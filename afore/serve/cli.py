@@ -8,7 +8,7 @@ import sys
 
 from afore.config import DEFAULT_COPY_RATE_GBPS
 from afore.scheduler.policies import POLICY_NAMES
-from afore.serve.launcher import PLANNERS, PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, default_microbatches, serve
+from afore.serve.launcher import EXCHANGES, PLANNERS, PRIMARY_LAYOUTS, ROLES, TRANSPORTS, ServeOptions, default_microbatches, serve
 
 SPLIT_STORE_PORT = 29600  # --store-port default of the split roles (the manifests expose it)
 
@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every FFN worker itself, replicated (the same "
                              "deterministic policy on the same routed counts: no demand, plan or process hop on the "
                              "decode path; one node, the shm transport on cuda)")
+    parser.add_argument("--exchange", default="auto", choices=EXCHANGES,
+                        help="how a MoE layer call reaches the FFN pool: host (the vLLM worker's Python waits for every "
+                             "layer; a splitting op of piecewise CUDA graphs) or stream (enqueued on the CUDA stream as a "
+                             "host node: capturable, vLLM's own graph modes, no Python per layer; shm transport, one "
+                             "microbatch); default auto: stream on cuda where it applies, else host")
     parser.add_argument("--redundant-slots", type=int, default=2, help="redundant expert slots per FFN worker and layer (R)")
     parser.add_argument("--primaries", default="contiguous", choices=PRIMARY_LAYOUTS,
                         help="primary layout of the experts over the FFN workers: contiguous blocks, or co-clustered by "
@@ -114,7 +119,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
                         primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration,
                         exact=args.exact, pingpong=not args.no_pingpong, spin_us=args.spin_us,
-                        planner=args.planner)
+                        planner=args.planner, exchange=args.exchange)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,6 +73,11 @@ PRIMARY_LAYOUTS = ("contiguous", "affinity")
 # the same deterministic policy on the same routed counts, so no demand, plan or process hop
 # stands between a target's tokens and its compute.
 PLANNERS = ("scheduler", "workers")
+# How an attention worker's MoE layer call reaches the FFN pool: on the Python host (every layer
+# call waits there; a splitting op of piecewise CUDA graphs), or enqueued on the CUDA stream as a
+# host node (afore.attention.stream: capturable, vLLM's own graph modes); auto: stream on cuda
+# where it applies (the shm transport, one microbatch), else host.
+EXCHANGES = ("auto", "host", "stream")
 
 
 def default_microbatches(device: str) -> int:
@@ -127,6 +132,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pingpong: bool = True           # microbatches >= 2: microbatch b+1's attention overlaps b's FFN (afore.attention.pingpong)
     spin_us: float = 0.0            # busy-poll before blocking in the exchange waits (spin_seconds); 0 = block
     planner: str = "scheduler"      # PLANNERS
+    exchange: str = "auto"          # EXCHANGES; exchange_mode() resolves auto
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -197,6 +203,13 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.planner == "workers" and self.device == "cuda" and not uses_shm(self):
             raise ValueError(f"planner: --planner workers on cuda needs --transport shm (the FFN workers plan from "
                              f"the ids on the host), got --transport {self.transport}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange: expected one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if self.exchange == "stream" and not uses_shm(self):
+            raise ValueError(f"exchange: --exchange stream needs --transport shm, got --transport {self.transport}")
+        if self.exchange == "stream" and self.microbatches != 1:
+            raise ValueError(f"exchange: --exchange stream needs one microbatch (ping-pong runs on the host), "
+                             f"got --microbatches {self.microbatches}")
 
     @property
     def admin(self) -> int:
@@ -309,6 +322,15 @@ def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
 def uses_shm(opts: ServeOptions) -> bool:
     """The shm transport: asked for, or ``auto`` on a one-node CPU layout."""
     return opts.transport == "shm" or (opts.transport == "auto" and opts.role == "all" and opts.device == "cpu")
+
+
+def exchange_mode(opts: ServeOptions) -> str:
+    """``host`` or ``stream`` (EXCHANGES): auto is stream on cuda with the shm transport and one
+    microbatch, host otherwise (on CPU the two run the same C++; the host path keeps the per-layer
+    stage clock)."""
+    if opts.exchange != "auto":
+        return opts.exchange
+    return "stream" if opts.device == "cuda" and uses_shm(opts) and opts.microbatches == 1 else "host"
 
 
 def batched_tokens(opts: ServeOptions) -> int:
@@ -575,9 +597,10 @@ class Launcher:
             cmd += ["--data-parallel-size", str(opts.attn_workers)]
         if opts.enforce_eager:
             cmd.append("--enforce-eager")
-        elif opts.device == "cuda":
+        elif opts.device == "cuda" and exchange_mode(opts) == "host":
             # piecewise CUDA graphs only: the remote-experts exchange (host I/O) is a splitting op
-            # and runs between the captured pieces; a full graph would capture it
+            # and runs between the captured pieces; a full graph would capture it (the stream
+            # exchange is capturable: vLLM's default modes, as plain vLLM)
             cmd += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
         return cmd + list(opts.vllm_args)
 
@@ -596,7 +619,7 @@ class Launcher:
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
                                    shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
                                    depth=self.depth, exact=self.opts.exact, pingpong=self.opts.pingpong,
-                                   spin_us=spin_seconds(self.opts) * 1e6)
+                                   spin_us=spin_seconds(self.opts) * 1e6, exchange=exchange_mode(self.opts))
         env = {**self.child_env(), **role.to_env(), "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # keep the API process up when the engine dies, so /health can say so
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}

@@ -16,12 +16,17 @@
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
+#include <atomic>
 #include <cstdio>
+#include <deque>
+#include <mutex>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "shm/mailbox.hpp"
 #include "shm/segment.hpp"
 
 namespace nb = nanobind;
@@ -62,9 +67,13 @@ bool process_running(int64_t pid) {
 // FUTEX_WAIT while *word == expected, at most timeout_ns. A signal that interrupts it runs its
 // Python handler now (under the GIL), as the ctypes wait of the Python path does: Ctrl-C or a
 // handler that raises ends the wait with that exception instead of after the timeout.
+// On a CUDA host-node thread (StreamExchange) no Python runs: an interrupted wait just waits on,
+// since the thread that holds the GIL may be the one waiting for this node.
+thread_local bool t_no_python = false;
+
 void futex_sleep(const uint32_t* word, uint32_t expected, uint64_t timeout_ns) {
   timespec ts{time_t(timeout_ns / 1000000000ULL), long(timeout_ns % 1000000000ULL)};
-  if (syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0) == -1 && errno == EINTR) {
+  if (syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0) == -1 && errno == EINTR && !t_no_python) {
     nb::gil_scoped_acquire gil;
     if (PyErr_CheckSignals() != 0) throw nb::python_error();
   }
@@ -468,6 +477,152 @@ class DataPlane {
   int64_t reply_rows_ = 0;
 };
 
+// The exchange of one attention worker as CUDA host nodes (``afore serve --exchange stream``,
+// afore.attention.stream): the forward pass enqueues, per MoE layer call, the copies of the
+// tokens into page-locked staging buffers, then a host node (cuLaunchHostFunc) that runs
+// ``run`` below on the CUDA driver's thread when the stream reaches it, then the copy of the
+// combined output back. No Python runs per layer, nothing blocks the thread that launched the
+// work, and the whole thing is capturable: a decode step can be one CUDA graph, as in plain vLLM.
+//
+// ``run`` numbers the targets as the Python path does (``ForwardCounter``): the call of MoE layer
+// position 0 starts a forward pass (step + 1), seq = step * L + layer (one microbatch), message
+// counter + 1 per call; it posts the target (send_request), puts its demand into the scheduler's
+// mailbox when there is one (the counts of the posted ids, as the host path emits them after the
+// post; advisory: a full or replaced mailbox costs a primary-only plan, never the exchange), and
+// waits for the F replies (combine) into the staging output. It cannot raise into anything: the first failure (a dead
+// peer, a timeout, a torn slot) is kept in ``error`` and every later call only zeroes its output
+// at once, until the attention worker reads the error (``check``) and fails the engine.
+class StreamExchange {
+ public:
+  struct Call {
+    StreamExchange* ex;
+    int layer;
+    int64_t n;
+  };
+
+  StreamExchange(DataPlane* plane, int rank, int layers, uintptr_t rows, uintptr_t ids, uintptr_t weights,
+                 uintptr_t out, int64_t out_row_bytes, double timeout_s, double poll_s, double spin_s,
+                 const std::string& mailbox, int num_experts, int top_k)
+      : plane_(plane), rank_(rank), layers_(layers), rows_(rows), ids_(ids), weights_(weights), out_(out),
+        out_row_bytes_(out_row_bytes), timeout_s_(timeout_s), poll_s_(poll_s), spin_s_(spin_s), mailbox_name_(mailbox),
+        num_experts_(num_experts), top_k_(top_k) {
+    if (layers < 1) throw std::invalid_argument("layers: expected >= 1, got " + std::to_string(layers));
+    if (!mailbox.empty()) {
+      if (num_experts < 1 || top_k < 1) throw std::invalid_argument("num_experts, top_k: expected >= 1 with a mailbox");
+      mailbox_ = std::make_unique<MailboxProducer>(mailbox);
+      counts_.assign(size_t(num_experts), 0);
+    }
+    if (!(timeout_s > 0)) throw std::invalid_argument("timeout_s: expected > 0");
+    if (!(poll_s > 0)) throw std::invalid_argument("poll_s: expected > 0");
+  }
+
+  // The host node's argument for MoE layer position `layer` with `n` tokens (cached: a captured
+  // graph keeps the address for its life, so a Call is never freed or moved).
+  uintptr_t call(int layer, int64_t n) {
+    if (layer < 0 || layer >= layers_)
+      throw std::invalid_argument("layer: expected in [0, " + std::to_string(layers_) + "), got " + std::to_string(layer));
+    if (n < 0) throw std::invalid_argument("n: expected >= 0, got " + std::to_string(n));
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Call& c : calls_)
+      if (c.layer == layer && c.n == n) return reinterpret_cast<uintptr_t>(&c);
+    calls_.push_back(Call{this, layer, n});
+    return reinterpret_cast<uintptr_t>(&calls_.back());
+  }
+
+  static void host_node(void* arg) {
+    Call* c = static_cast<Call*>(arg);
+    t_no_python = true;
+    c->ex->run(*c);
+  }
+
+  // What the host node runs (also callable directly: tests, a CPU stream).
+  void run(const Call& c) {
+    const uint64_t enter = monotonic_ns();
+    if (c.layer == 0) ++step_;
+    const int64_t step = step_, counter = counter_++;
+    const int64_t seq = step * layers_ + c.layer;
+    if (failed_.load(std::memory_order_acquire)) {
+      zero(c.n);
+      return;
+    }
+    try {
+      if (step < 0) throw std::invalid_argument("the first call was not MoE layer position 0");
+      plane_->send_request(rank_, counter, seq, step, c.layer, 0, c.n, rows_, ids_, weights_);
+      if (mailbox_) emit(step, c.layer, c.n);
+      const uint64_t sent = monotonic_ns();
+      rows_received_ += plane_->combine(rank_, counter, seq, step, c.layer, 0, c.n, out_, now_s() + timeout_s_, poll_s_,
+                                        spin_s_);
+      const uint64_t done = monotonic_ns();
+      post_ns_ += sent - enter;
+      wait_ns_ += done - sent;
+      done_calls_.fetch_add(1, std::memory_order_release);
+    } catch (const std::exception& e) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        error_ = std::string(e.what()) + " (" + target_text(step, c.layer, 0) + ", seq " + std::to_string(seq) + ")";
+      }
+      failed_.store(true, std::memory_order_release);
+      zero(c.n);
+    }
+  }
+
+  nb::object error() {
+    if (!failed_.load(std::memory_order_acquire)) return nb::none();
+    std::lock_guard<std::mutex> lock(mu_);
+    return nb::str(error_.c_str());
+  }
+
+  // (calls completed, next step, next message counter, rows received, post ns, wait ns, demand
+  // reports put, demand reports lost) so far
+  std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> stats() const {
+    return {done_calls_.load(std::memory_order_acquire), step_, counter_, rows_received_, int64_t(post_ns_),
+            int64_t(wait_ns_), emitted_, demand_lost_};
+  }
+
+ private:
+  // d[t, a]: the posted ids' counts per expert, into the mailbox (its ring full for 10 ms or a
+  // scheduler restart that replaced it: reopened once, else the report is lost and counted)
+  void emit(int64_t step, int layer, int64_t n) {
+    std::fill(counts_.begin(), counts_.end(), 0);
+    const int32_t* ids = reinterpret_cast<const int32_t*>(ids_);
+    for (int64_t i = 0; i < n * top_k_; ++i)
+      if (ids[i] >= 0 && ids[i] < num_experts_) ++counts_[size_t(ids[i])];
+    try {
+      bool ok = mailbox_->put(step, layer, 0, rank_, counts_.data(), counts_.size(), 10'000'000ULL);
+      if (!ok && mailbox_->replaced()) {
+        mailbox_ = std::make_unique<MailboxProducer>(mailbox_name_);
+        ok = mailbox_->put(step, layer, 0, rank_, counts_.data(), counts_.size(), 10'000'000ULL);
+      }
+      ok ? ++emitted_ : ++demand_lost_;
+    } catch (const std::exception&) {
+      ++demand_lost_;
+    }
+  }
+
+  void zero(int64_t n) {
+    if (n > 0) std::memset(reinterpret_cast<void*>(out_), 0, size_t(n) * size_t(out_row_bytes_));
+  }
+
+  DataPlane* plane_;
+  int rank_, layers_;
+  uintptr_t rows_, ids_, weights_, out_;
+  int64_t out_row_bytes_;
+  double timeout_s_, poll_s_, spin_s_;
+  // host nodes of one stream run one at a time, in order: these need no lock
+  int64_t step_ = -1, counter_ = 0, rows_received_ = 0;
+  uint64_t post_ns_ = 0, wait_ns_ = 0;
+  std::atomic<int64_t> done_calls_{0};
+  std::atomic<bool> failed_{false};
+  std::mutex mu_;
+  std::string error_;
+  std::deque<Call> calls_;
+  std::string mailbox_name_;
+  int num_experts_, top_k_;
+  std::unique_ptr<MailboxProducer> mailbox_;
+  std::vector<int32_t> counts_;
+  int64_t emitted_ = 0, demand_lost_ = 0;
+};
+
 }  // namespace
 
 void bind_dataplane(nb::module_& m) {
@@ -499,6 +654,20 @@ void bind_dataplane(nb::module_& m) {
       .def("gather_rows", &DataPlane::gather_rows, G())
       .def("send_replies", &DataPlane::send_replies, G())
       .def("agree", &DataPlane::agree, G());
+
+  nb::class_<StreamExchange>(m, "StreamExchange",
+                             "One attention worker's exchange as CUDA host nodes (afore.attention.stream).")
+      .def(nb::init<DataPlane*, int, int, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, double, double, double,
+                    const std::string&, int, int>(),
+           "plane"_a, "rank"_a, "layers"_a, "rows"_a, "ids"_a, "weights"_a, "out"_a, "out_row_bytes"_a, "timeout_s"_a,
+           "poll_s"_a, "spin_s"_a, "mailbox"_a = "", "num_experts"_a = 0, "top_k"_a = 0, nb::keep_alive<1, 2>())
+      .def("call", &StreamExchange::call, "layer"_a, "n"_a)
+      .def("run", [](StreamExchange& self, int layer, int64_t n) {
+             self.run(*reinterpret_cast<StreamExchange::Call*>(self.call(layer, n)));
+           }, "layer"_a, "n"_a, G())
+      .def_static("host_node_address", [] { return reinterpret_cast<uintptr_t>(&StreamExchange::host_node); })
+      .def("error", &StreamExchange::error)
+      .def("stats", &StreamExchange::stats);
 }
 
 }  // namespace afore::shm
