@@ -23,7 +23,7 @@ FINAL=$OUT; OUT=$OUT/serve; mkdir -p "$OUT"
 LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-48}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LAYERS
 # one afore server per variant: a transport, "+m2" for --microbatches 2 (ping-pong: split decode steps run eagerly),
 # "+serial" for --no-pingpong, "+eager" for --enforce-eager, "+exact" for --exact, "+spin" for --spin-us 2000 (every wait
-# busy-polls 2 ms before it blocks; afore.serve.launcher.spin_seconds), "+workers" for --planner workers (every FFN worker plans
+# busy-polls 2 ms before it blocks; afore.serve.launcher.spin_seconds), "+host" for --exchange host (the per-layer exchange on the Python host, split graphs), "+workers" for --planner workers (every FFN worker plans
 # itself: no demand emission, scheduler or plan ring), "+nopace" for copies at full rate (no pacing kernels
 # on the FFN workers' side streams: with several processes on one GPU, a kernel of one process
 # waits for another's time slice)
@@ -59,7 +59,7 @@ for v in $VARIANTS; do
   case "$v" in *+nopace*) extra+=(--copy-rate-gbps 0) ;; esac; case "$v" in *+exact*) extra+=(--exact) ;; esac
   case "$v" in *+m2*) extra+=(--microbatches 2) ;; esac; case "$v" in *+serial*) extra+=(--no-pingpong) ;; esac
   case "$v" in *+eager*) extra+=(--enforce-eager) ;; esac; case "$v" in *+spin*) extra+=(--spin-us 2000) ;; esac
-  case "$v" in *+workers*) extra+=(--planner workers) ;; esac
+  case "$v" in *+workers*) extra+=(--planner workers) ;; esac; case "$v" in *+host*) extra+=(--exchange host) ;; esac
   rm -f /tmp/stages-$v.*
   AFORE_STAGE_TRACE=/tmp/stages-$v python3 -m afore.cli serve --model "$MODEL" --device cuda --attn-workers 1 \
     --ffn-workers $FFN --colocate --transport $t "${extra[@]}" --policy afore --host 127.0.0.1 --port $port --verbose \
