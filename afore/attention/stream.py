@@ -72,11 +72,13 @@ class StreamExchange:
         self.layout, self.device = lay, end.device
         pin = end.device.type == "cuda"
         t, h, k = lay.max_tokens, lay.hidden, lay.top_k
-        self.rows = torch.empty(t, h, dtype=lay.torch_dtype, pin_memory=pin)
-        self.ids = torch.empty(t, k, dtype=torch.int32, pin_memory=pin)
-        self.weights = torch.empty(t, k, dtype=torch.float32, pin_memory=pin)
+        # device="cpu" named: vLLM builds the model under a CUDA default device
+        self.rows = torch.empty(t, h, dtype=lay.torch_dtype, device="cpu", pin_memory=pin)
+        self.ids = torch.empty(t, k, dtype=torch.int32, device="cpu", pin_memory=pin)
+        self.weights = torch.empty(t, k, dtype=torch.float32, device="cpu", pin_memory=pin)
         self.pairs = k if lay.exact else 1  # output rows per token
-        self.out = torch.empty(t * self.pairs, h, dtype=lay.torch_dtype if lay.exact else torch.float32, pin_memory=pin)
+        self.out = torch.empty(t * self.pairs, h, dtype=lay.torch_dtype if lay.exact else torch.float32, device="cpu",
+                               pin_memory=pin)
         self.native = _Native(end._plane, end.rank, layers, self.rows.data_ptr(), self.ids.data_ptr(),
                               self.weights.data_ptr(), self.out.data_ptr(), h * self.out.element_size(),
                               end.timeout_s, end.poll_s, end.spin_s, mailbox, num_experts, k)
