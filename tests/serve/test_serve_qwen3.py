@@ -127,6 +127,33 @@ def test_planner_workers_token_identical_with_plans_copies_and_no_scheduler(mode
         server.stop()
 
 
+def test_stream_exchange_token_identical_with_demand_plans_and_copies(model, want, log_dir):
+    """``afore serve --exchange stream`` on CPU: every MoE layer call runs the C++ that a CUDA host
+    node runs (afore.attention.stream), posting, emitting its demand into the scheduler's mailbox
+    and combining in C++: output identical to plain vLLM, every target ran on the scheduler's plan
+    (its demand arrived), copies made; vLLM's runner checks the exchange after every step."""
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-stream.log"), policy="afore",
+                         extra=["--exchange", "stream"])
+    try:
+        assert_same_generation(server.greedy(), want)
+        assert server.health() == 200
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert code == 200
+
+        def value(name: str, *labels: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + "{") and all(label in line for label in labels))
+
+        targets = value("afore_ffn_targets_total", 'worker="0"')
+        assert targets > 0
+        assert value("afore_ffn_plans_total", 'worker="0"', 'outcome="used"') == targets
+        assert _metric(text, "afore_ffn_primary_only_targets_total") == 0
+        assert _metric(text, "afore_ffn_copies_total") > 0
+        assert value("afore_mailbox_reports_total", 'outcome="accepted"') > 0  # the scheduler's export lags
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_a1f2_every_policy_token_identical(a1f2, want, policy):
     code, status = a1f2.set_policy(policy)
