@@ -273,7 +273,7 @@ def _figure_means(before: dict, after: dict) -> dict[str, float | None]:
 
 
 #: the servers of ``--serve``, in the order they run and appear in the report
-SERVERS = ("afore-shm", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
+SERVERS = ("afore-shm", "afore-shm-stream", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
 
 
 def serve_selection(only: str) -> tuple[str, ...]:
@@ -305,6 +305,9 @@ def measure_serve(args, log_dir: Path) -> dict:
         # afore serve's CPU default: shm, one target per MoE call; every process traces its stages
         ("afore-shm", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--verbose", *common],
          {"AFORE_STAGE_TRACE": str(trace)}),
+        # the same with the exchange as the CUDA host node's C++ (afore.attention.stream): no Python per layer
+        ("afore-shm-stream", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--exchange", "stream",
+                              "--verbose", *common], None),
         # the same with every FFN worker planning itself (--planner workers: no demand, scheduler or plan hop)
         ("afore-shm-workers", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--planner", "workers",
                                "--verbose", *common], {"AFORE_STAGE_TRACE": str(workers_trace)}),
