@@ -237,6 +237,13 @@ class FFNWorker:
         self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
         self.trace = ffn_trace(cfg.rank)
         self._rows_ns = 0      # stamps inside the compute of the target being run (trace only)
+        # the bookkeeping after a reply (histograms, balance figures, migration records, trace):
+        # deferred by ``run`` to the end of a step (the last MoE layer's target: the attention side
+        # then samples and schedules, the longest gap between targets), so that with the
+        # attention's layers back to back (CUDA graphs, the stream exchange) it does not delay the
+        # next layer's target; ``step`` called on its own does it at once
+        self.defer_bookkeeping = False
+        self._after: list[tuple] = []
         self._events = None
         self._routed: np.ndarray | None = None  # routed counts of the target being run
         self.stop_event = threading.Event()
@@ -446,17 +453,26 @@ class FFNWorker:
         handed = time.perf_counter_ns()  # stamped before the reply is published: after it, the woken
         self.connector.send(mb, reply)   # attention side may run first and the stamp would come late
         published = time.perf_counter_ns()
-        self.metrics.observe_stage(plan, stage_s=(agreed - t0) / 1e9, queued=self.connector.queued)
-        self._observe_records()
-        if self.trace.enabled:
-            t = mb.target
-            events, self._events = self._events, None
-            # the reply's copy to the host (send) came after the compute on this stream: both events are done
-            device_ns = int(events[0].elapsed_time(events[1]) * 1e6) if events is not None and events[1].query() else 0
-            self.trace.add((mb.seq, t.step, t.layer, t.microbatch, mb.num_tokens, reply.tokens.numel(),
-                            int(mb.arrived * 1e9), t0, planned, computed, agreed, handed, int(not plan.primary_only),
-                            self._rows_ns, device_ns, published))  # rows_ns 0: a path without the stamp
+        events, self._events = self._events, None
+        self._after.append((mb.target, mb.seq, mb.num_tokens, mb.arrived, plan, reply.tokens.numel(), events,
+                            self._rows_ns, self.connector.queued, (t0, planned, computed, agreed, handed, published)))
+        if not self.defer_bookkeeping or mb.target.layer == self.shape.num_layers - 1 or len(self._after) >= 64:
+            self.flush_bookkeeping()
         return reply
+
+    def flush_bookkeeping(self) -> None:
+        """The deferred after-reply work of the targets run so far (``defer_bookkeeping``)."""
+        after, self._after = self._after, []
+        for t, seq, tokens, arrived, plan, rows, events, rows_ns, queued, stamps in after:
+            t0, planned, computed, agreed, handed, published = stamps
+            self.metrics.observe_stage(plan, stage_s=(agreed - t0) / 1e9, queued=queued)
+            if self.trace.enabled:
+                # the reply's copy to the host (send) came after the compute on this stream: both events are done
+                device_ns = int(events[0].elapsed_time(events[1]) * 1e6) if events is not None and events[1].query() else 0
+                self.trace.add((seq, t.step, t.layer, t.microbatch, tokens, rows,
+                                int(arrived * 1e9), t0, planned, computed, agreed, handed, int(not plan.primary_only),
+                                rows_ns, device_ns, published))  # rows_ns 0: a path without the stamp
+        self._observe_records()
 
     def _compute(self, layer: FFNLayer, mb: Microbatch, plan: Plan) -> ReplyRows:
         """This worker's share of ``mb`` under ``plan`` (its copies waited for, its slots fenced after)."""
@@ -501,17 +517,22 @@ class FFNWorker:
         """Serve targets until ``stop_event`` is set (SIGTERM in ``main``); logs the plan counters
         every ``report_s`` seconds while targets come in, and at the end."""
         next_report, reported = time.monotonic() + report_s, None
+        self.defer_bookkeeping = True
         try:
             while not self.stop_event.is_set():
                 mb = self.connector.recv(timeout_s=0.2)
                 if mb is not None:
                     self.step(mb)
+                elif self._after:  # idle: nothing deferred waits longer than one poll
+                    self.flush_bookkeeping()
                 if time.monotonic() > next_report:
                     line = self.metrics.summary()
                     if line != reported:
                         log.info("worker %d: %s", self.cfg.rank, line)
                     next_report, reported = time.monotonic() + report_s, line
         finally:
+            self.flush_bookkeeping()
+            self.defer_bookkeeping = False
             log.info("worker %d stopped: %s", self.cfg.rank, self.metrics.summary())
 
     def close(self) -> None:
