@@ -330,10 +330,12 @@ class RemoteRoutedExperts(_RoutedExperts):
 
 
 def check_exchange() -> None:
-    """Raise the stream exchange's failure, if any (vLLM's runner calls it after every step's
-    outputs: ``vllm_compat.check_after_step``); a no-op for the host exchange."""
+    """Raise the stream exchange's failure, if any, then record the step's per-layer stamps (vLLM's
+    runner calls it after every step's outputs: ``vllm_compat.check_after_step``); a no-op for the
+    host exchange."""
     if _state is not None and _state._stream is not None:
         _state._stream.check()
+        _state._stream.drain(_state.clock)  # the step's per-layer stamps: metrics and the stage trace
 
 
 REMOTE_EXPERTS_OP = "afore::remote_experts"

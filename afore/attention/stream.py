@@ -130,6 +130,18 @@ class StreamExchange:
         if err is not None:
             raise ExchangeFailed(f"afore: the exchange with the FFN pool failed on the CUDA stream: {err}")
 
+    def drain(self, clock) -> int:
+        """Hand the nodes' stamps since the last drain to ``clock`` (afore.attention.stages.StageClock:
+        the afore_attention_* families and, with AFORE_STAGE_TRACE, the per-target CSV rows, in the
+        host path's columns; stamps on the clock of time.perf_counter_ns); returns how many."""
+        lay = self.layout
+        row_bytes = lay.hidden * torch.empty(0, dtype=lay.torch_dtype).element_size()
+        records = self.native.take_records()
+        for step, layer, n, prev_done, enter, demand, sent, done, rows, seq in records:
+            clock.record((step, layer, 0, n, prev_done, enter, demand, sent, demand, done,
+                          n * (row_bytes + lay.top_k * 8), rows * (row_bytes + 4), seq))
+        return len(records)
+
     def stats(self) -> dict[str, int]:
         """Nodes completed, the next step and message counter, rows received, time posting and
         waiting (ns, summed over nodes), demand reports put and lost."""

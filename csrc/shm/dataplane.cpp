@@ -548,13 +548,24 @@ class StreamExchange {
     try {
       if (step < 0) throw std::invalid_argument("the first call was not MoE layer position 0");
       plane_->send_request(rank_, counter, seq, step, c.layer, 0, c.n, rows_, ids_, weights_);
-      if (mailbox_) emit(step, c.layer, c.n);
       const uint64_t sent = monotonic_ns();
-      rows_received_ += plane_->combine(rank_, counter, seq, step, c.layer, 0, c.n, out_, now_s() + timeout_s_, poll_s_,
-                                        spin_s_);
+      if (mailbox_) emit(step, c.layer, c.n);
+      const uint64_t demand = monotonic_ns();
+      const int64_t rows = plane_->combine(rank_, counter, seq, step, c.layer, 0, c.n, out_, now_s() + timeout_s_,
+                                           poll_s_, spin_s_);
       const uint64_t done = monotonic_ns();
+      rows_received_ += rows;
       post_ns_ += sent - enter;
-      wait_ns_ += done - sent;
+      wait_ns_ += done - demand;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (records_.size() < kMaxRecords)
+          records_.push_back({step, c.layer, c.n, int64_t(prev_done_), int64_t(enter), int64_t(demand), int64_t(sent),
+                              int64_t(done), rows, seq});
+        else
+          ++records_dropped_;
+      }
+      prev_done_ = done;
       done_calls_.fetch_add(1, std::memory_order_release);
     } catch (const std::exception& e) {
       {
@@ -564,6 +575,28 @@ class StreamExchange {
       failed_.store(true, std::memory_order_release);
       zero(c.n);
     }
+  }
+
+  // The per-call stamps since the last call (CLOCK_MONOTONIC ns, the clock of time.perf_counter_ns):
+  // (step, layer, tokens, previous call done, enter, demand emitted, posted, combined, rows, seq);
+  // at most kMaxRecords are kept between two takes (the rest only counted).
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>>
+  take_records() {
+    std::vector<Record> got;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      got.swap(records_);
+    }
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+    out.reserve(got.size());
+    for (const Record& r : got)
+      out.emplace_back(r.step, r.layer, r.n, r.prev_done, r.enter, r.demand, r.sent, r.done, r.rows, r.seq);
+    return out;
+  }
+
+  int64_t records_dropped() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return records_dropped_;
   }
 
   nb::object error() {
@@ -616,6 +649,13 @@ class StreamExchange {
   std::mutex mu_;
   std::string error_;
   std::deque<Call> calls_;
+  struct Record {
+    int64_t step, layer, n, prev_done, enter, demand, sent, done, rows, seq;
+  };
+  static constexpr size_t kMaxRecords = 1 << 16;
+  std::vector<Record> records_;
+  int64_t records_dropped_ = 0;
+  uint64_t prev_done_ = 0;
   std::string mailbox_name_;
   int num_experts_, top_k_;
   std::unique_ptr<MailboxProducer> mailbox_;
@@ -667,6 +707,8 @@ void bind_dataplane(nb::module_& m) {
            }, "layer"_a, "n"_a, G())
       .def_static("host_node_address", [] { return reinterpret_cast<uintptr_t>(&StreamExchange::host_node); })
       .def("error", &StreamExchange::error)
+      .def("take_records", &StreamExchange::take_records)
+      .def("records_dropped", &StreamExchange::records_dropped)
       .def("stats", &StreamExchange::stats);
 }
 

@@ -151,13 +151,24 @@ def test_stream_exchange_writes_and_returns_what_the_host_path_does(dtype, exact
                     outs.append(out)
             assert ex.stats()["calls"] == steps * L and ex.stats()["step"] == steps - 1
             assert ex.stats()["counter"] == steps * L
-            return outs
+            rows = []
+            assert ex.drain(type("Clock", (), {"record": lambda self, row: rows.append(row)})()) == steps * L
+            return outs, rows
 
         want = _run_attention(host_path, num_attention)
         got = _run_attention(stream_path, num_attention)
         host.join()
         stream.join()
         for a in range(num_attention):
+            got[a], rows = got[a]
+            # the stage clock's rows, in the host path's columns: every call in order, its stamps in
+            # order, each call's previous exit the last call's end, the host path's byte counts
+            assert [r[12] for r in rows] == list(range(steps * L))
+            assert [(r[0], r[1], r[2]) for r in rows] == [(s, layer, 0) for s in range(steps) for layer in range(L)]
+            assert rows[0][4] == 0 and all(rows[i + 1][4] == rows[i][9] for i in range(len(rows) - 1))
+            assert all(r[5] <= r[7] <= r[6] == r[8] <= r[9] for r in rows)
+            assert sum(r[10] for r in rows) == host.atts[a].bytes_sent
+            assert sum(r[11] for r in rows) == host.atts[a].bytes_received
             for g, w in zip(got[a], want[a]):
                 assert g.dtype == w.dtype and g.shape == w.shape
                 assert torch.equal(_bits(g), _bits(w))
