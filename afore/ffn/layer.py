@@ -332,6 +332,77 @@ class FFNLayer:
             lo += m
         return pairs, torch.cat(rows).index_select(0, pairs)
 
+    def forward_pairs_host(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor, plan: Plan,
+                           splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_pairs`` for a pool fed by a host transport (shm): the same pairs, the same
+        kernel calls on the same inputs, so the same bits, without its host syncs. Eq. 11 runs on
+        the host ids under this worker's plan table (``host_pairs``: the step's rule); only the
+        tokens with a pair here are gathered (``gather(tokens, out)``, as ``forward_host_routed``),
+        placed at their rows of a page-locked [N, H] buffer (other rows unspecified: no pair reads
+        them), and sent with the pairs' slots (-1: computed elsewhere) and weights by one batch of
+        non-blocking copies; each sender's tokens then run as one call of vLLM's kernels
+        (``afore.ffn.exact.pair_rows``), and this worker's rows come back into page-locked memory,
+        waited for once.
+
+        topk_ids: int32 [N, k] on the host; topk_weights: fp32 [N, k] on the host. Returns (pair
+        indices int64 [P] ascending, rows [P, H] in the pool's dtype: on the host for a CUDA pool,
+        a buffer reused by the next call)."""
+        from afore.ffn.exact import pair_rows
+
+        k, num_experts = self.pool.shape.top_k, self.pool.shape.num_experts
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != k or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"topk_ids, topk_weights: expected shape [N, {k}], got {tuple(topk_ids.shape)}, "
+                             f"{tuple(topk_weights.shape)}")
+        if topk_ids.dtype != torch.int32 or not topk_ids.is_cpu or not topk_weights.is_cpu:
+            raise ValueError(f"topk_ids, topk_weights: expected int32 ids and weights on the host, got "
+                             f"{topk_ids.dtype} on {topk_ids.device}, {topk_weights.device}")
+        n = topk_ids.shape[0]
+        if sum(splits) != n:
+            raise ValueError(f"splits: expected tokens per attention worker summing to {n}, got {splits}")
+        table = self.plan_table.stage(plan)
+        valid, ex, _ordinals, mine = host_pairs(np.ascontiguousarray(topk_ids.numpy()), table, num_experts)
+        pairs = np.flatnonzero(mine)
+        device, dtype, h = self.pool.device, self.pool.dtype, self.pool.hidden
+        if pairs.size == 0:
+            return torch.from_numpy(pairs), torch.zeros(0, h, dtype=dtype)
+        ep = table_width(num_experts)
+        st = self._pair_staging(n)
+        tokens = torch.from_numpy(np.unique(pairs // k))
+        compact = st.out[:tokens.numel()]  # scratch: the gathered rows, placed below before out is written
+        gather(tokens, compact)
+        st.rows[:n].index_copy_(0, tokens, compact)
+        slot = torch.from_numpy(np.where(mine, table[2 * ep + ex], -1).astype(np.int32))
+        st.slot[:n * k].copy_(slot)
+        st.weights[:n * k].copy_(topk_weights.reshape(-1).float())
+        st.pairs[:pairs.size].copy_(torch.from_numpy(pairs))
+        cuda = device.type == "cuda"
+        hidden, slots, weights, index = (t.to(device, non_blocking=cuda) for t in
+                                         (st.rows[:n], st.slot[:n * k], st.weights[:n * k], st.pairs[:pairs.size]))
+        rows, lo = [], 0
+        for m in splits:
+            if m:
+                rows.append(pair_rows(hidden[lo:lo + m], slots[lo * k:(lo + m) * k].view(m, k),
+                                      weights[lo * k:(lo + m) * k].view(m, k), self.pool.w13, self.pool.w2,
+                                      num_experts).view(m * k, -1))
+            lo += m
+        out = (rows[0] if len(rows) == 1 else torch.cat(rows)).index_select(0, index)
+        if not cuda:
+            return torch.from_numpy(pairs), out
+        host = st.out[:pairs.size]
+        host.copy_(out, non_blocking=True)
+        st.event.record()
+        st.event.synchronize()
+        return torch.from_numpy(pairs), host
+
+    def _pair_staging(self, tokens: int) -> "PairStaging":
+        """This device's host buffers of ``forward_pairs_host``, for at least ``tokens`` tokens."""
+        key = ("pairs", self.pool.device, self.pool.dtype, self.pool.hidden, self.pool.shape.top_k)
+        st = _STAGING.get(key)
+        if st is None or st.rows.shape[0] < tokens:
+            st = _STAGING[key] = PairStaging(max(tokens, 2 * st.rows.shape[0] if st else 64), self.pool.hidden,
+                                             self.pool.shape.top_k, self.pool.dtype, self.pool.device)
+        return st
+
     def _loop_forward(self, hidden, topk_ids, topk_weights, plan, worker):
         """The reference: eq. 11 mask + per-slot matmuls (reads counts back to the host)."""
         device = self.pool.device
@@ -360,7 +431,22 @@ class HostStaging:
         self.event = torch.cuda.Event() if pin else None
 
 
-_STAGING: dict[tuple, HostStaging] = {}
+class PairStaging:
+    """Host buffers of ``FFNLayer.forward_pairs_host``: the target's rows [T, H], the pairs' slots
+    and weights [T * k], this worker's pair indices and its output rows [T * k, H] (also the
+    gather's scratch); pinned on a CUDA pool, with the event of the step's last copy."""
+
+    def __init__(self, tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.rows = torch.empty(tokens, hidden, dtype=dtype, pin_memory=pin)
+        self.slot = torch.empty(tokens * top_k, dtype=torch.int32, pin_memory=pin)
+        self.weights = torch.empty(tokens * top_k, dtype=torch.float32, pin_memory=pin)
+        self.pairs = torch.empty(tokens * top_k, dtype=torch.int64, pin_memory=pin)
+        self.out = torch.empty(tokens * top_k, hidden, dtype=dtype, pin_memory=pin)
+        self.event = torch.cuda.Event() if pin else None
+
+
+_STAGING: dict[tuple, "HostStaging | PairStaging"] = {}
 
 
 class HostRoute(NamedTuple):

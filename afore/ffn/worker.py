@@ -483,7 +483,12 @@ class FFNWorker:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         self._rows_ns = 0
-        if self.cfg.exact:  # a row per pair of this worker, as vLLM computes it (afore.ffn.exact)
+        if self.cfg.exact and mb.hidden is None and mb.topk_ids.is_cpu and hasattr(mb.source, "gather_into"):
+            # a row per pair of this worker, as vLLM computes it (afore.ffn.exact), routed on the host
+            # ids (the shm transport): one copy in, one out, no other host sync
+            reply = ReplyRows(*layer.forward_pairs_host(mb.source.gather_into, mb.topk_ids, mb.topk_weights, plan,
+                                                        mb.splits))
+        elif self.cfg.exact:  # a row per pair of this worker, as vLLM computes it (afore.ffn.exact)
             ids, weights = (t.to(self.device) for t in (mb.topk_ids, mb.topk_weights))
             reply = ReplyRows(*layer.forward_pairs(mb.rows_for, ids, weights, plan, mb.splits))
         elif mb.hidden is not None:  # the transport delivered every row (torch): reply densely

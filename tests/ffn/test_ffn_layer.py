@@ -371,3 +371,38 @@ def test_native_sparse_step_equals_the_torch_step_at_odd_sizes(e, k, n, h, i, dt
     assert native[1].dtype == dtype and native[1].shape == ref[1].shape
     if ref[0].numel() and ref[1].float().norm() > 0:
         assert relative_error(native[1].float(), ref[1].double()) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, n=st.integers(0, 24), seed=st.integers(0, 2**31 - 1), fill=st.floats(0, 1),
+       stale=st.booleans(), senders=st.integers(1, 3))
+def test_host_routed_pair_rows_equal_the_device_routed_ones(shape, n, seed, fill, stale, senders):
+    """``--exact`` fed by the shm transport (``forward_pairs_host``: eq. 11 on the host ids, only the
+    tokens with a pair gathered, one copy in and out) returns exactly ``forward_pairs``'s pairs and
+    rows, bit for bit, with a plan's copies, for one to three senders (each sender's tokens one
+    kernel call), also for a plan made for other demand; every pair is computed by exactly one
+    worker."""
+    w13, w2, hidden, ids, weights, table, plan = routed_case(shape, n, seed, fill, 0, stale)
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.integers(0, n + 1, senders - 1)) if senders > 1 else np.zeros(0, np.int64)
+    splits = np.diff(np.concatenate([[0], cuts, [n]])).astype(int).tolist()
+    pools = make_pools(shape, table, w13, w2)
+    apply_copies(pools, plan, w13, w2)
+    owners = []
+    for pool in pools:
+        device_layer, host_layer = FFNLayer(pool, backend="torch"), FFNLayer(pool, backend="torch")
+        pairs, rows = device_layer.forward_pairs(lambda tokens: hidden, ids, weights, plan, splits)
+        gathered = []
+
+        def gather(tokens, out):
+            gathered.append(tokens.clone())
+            out.copy_(hidden[tokens])
+
+        host_pairs, host_rows = host_layer.forward_pairs_host(gather, ids, weights, plan, splits)
+        assert torch.equal(host_pairs, pairs)
+        assert host_rows.dtype == rows.dtype and torch.equal(host_rows, rows)
+        if pairs.numel():  # only the tokens with a pair here were read
+            assert torch.equal(gathered[0], torch.unique(pairs // shape.top_k))
+        owners.append(pairs)
+    every = torch.cat(owners) if owners else torch.zeros(0, dtype=torch.int64)
+    assert torch.equal(torch.sort(every).values, torch.arange(n * shape.top_k))
