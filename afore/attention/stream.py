@@ -112,8 +112,9 @@ class StreamExchange:
             rc = _launch_host_func()(stream, self._node, call)
             if rc != 0:
                 raise RuntimeError(f"cuLaunchHostFunc: CUDA driver error {rc}")
-        else:
+        else:  # on the calling thread: a failure is raised at once, not by the next call
             self.native.run(layer, n)
+            self.check()
         if not n:
             return
         combined = self.out[:n * self.pairs].to(x.device, non_blocking=cuda)

@@ -234,7 +234,8 @@ class FFNWorker:
         self.metrics = FFNMetrics(cfg.rank, self.shape)
         if cfg.metrics_port:
             self.metrics.serve(cfg.metrics_port + cfg.rank)
-        self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran
+        self._early: dict[int, Plan | None] = {}   # plans read while the previous target ran (None: rejected)
+        self._early_routed: dict[int, np.ndarray] = {}  # their targets' routed counts (the replicated planner)
         self.trace = ffn_trace(cfg.rank)
         self._rows_ns = 0      # stamps inside the compute of the target being run (trace only)
         # the bookkeeping after a reply (histograms, balance figures, migration records, trace):
@@ -292,11 +293,13 @@ class FFNWorker:
         counts; committable), else None (counted why)."""
         # counted before the plan is waited for: it needs only the target, and the plan usually
         # comes after the target (the scheduler's turn-around), so this costs no wait
-        self._routed = routed = self._routed_counts(mb)
+        routed = self._early_routed.pop(mb.seq, None)  # counted already when read ahead
+        self._routed = routed = routed if routed is not None else self._routed_counts(mb)
         if self.policy_reader is not None:
             self._follow_policy(mb)
-        plan = self._early.pop(mb.seq, None)
-        if plan is None:
+        if mb.seq in self._early:  # read ahead: its plan, or None when it was rejected then (counted there)
+            plan = self._early.pop(mb.seq)
+        else:
             plan = self._read_plan(mb, self.cfg.plan_timeout_ms / 1e3, routed)
             if plan is None:
                 self.metrics.count_plan("missed")
@@ -368,6 +371,7 @@ class FFNWorker:
             if plan is not None:
                 self.migrator.forget(plan)
         self._early.clear()
+        self._early_routed.clear()
         self.migrator.empty_redundant_slots()
 
     def _primary_only(self, mb: Microbatch) -> Plan:
@@ -402,12 +406,19 @@ class FFNWorker:
         nxt = self.connector.peek()
         if nxt is None or nxt.seq in self._early or self.plan_source is None:
             return
-        plan = self._read_plan(nxt, 0.0, self._routed_counts(nxt) if self.plan_source.needs_demand else None)
-        if plan is not None and not self._accept(plan, nxt):
+        routed = None
+        if self.plan_source.needs_demand:
+            routed = self._early_routed[nxt.seq] = self._routed_counts(nxt)
+        plan = self._read_plan(nxt, 0.0, routed)
+        if plan is None:  # not there yet (the scheduler's): the target reads it again, with its timeout
+            return
+        if not self._accept(plan, nxt):
+            # taken from its source and rejected: counted once, here; the target then runs without a
+            # plan rather than asking the source again (which would count it missed as well)
             self.metrics.count_plan("rejected")
+            log.warning("worker %d: plan %d rejected: %s", self.cfg.rank, nxt.seq, self.migrator.last_rejection)
             plan = None
-        if plan is not None:
-            self._early[nxt.seq] = plan
+        self._early[nxt.seq] = plan
 
     # ------------------------------------------------------------------ loop
 

@@ -62,10 +62,22 @@ from afore.plan import Target
 from afore.procs import pid_alive
 from afore.transport.base import Microbatch, ReplyRows
 
+#: the bindings this module calls (afore._shm.ABI): an extension built from older sources has other
+#: signatures (e.g. votes without digests) and would fail mid-serving, so it is not used at all
+SHM_ABI = 3
 try:
+    from afore import _shm as _shm_ext
     from afore._shm import DataPlane as _DataPlane, set_peer_gone as _set_peer_gone
 except ImportError:  # an older build of the extension: the Python path serves alone
     _DataPlane = _set_peer_gone = None
+else:
+    if getattr(_shm_ext, "ABI", 0) != SHM_ABI:
+        import warnings
+
+        warnings.warn(f"afore._shm was built from other sources (ABI {getattr(_shm_ext, 'ABI', 0)}, this code "
+                      f"expects {SHM_ABI}): its data plane is not used (the Python path serves, slower; no "
+                      f"--exchange stream); rebuild it: pip install -e . (or make install)", RuntimeWarning, stacklevel=2)
+        _DataPlane = _set_peer_gone = None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # DataPlane's dtype argument

@@ -186,6 +186,9 @@ NB_MODULE(_shm, m) {
   nb::set_leak_warnings(false);
   m.doc() = "afore shared-memory control plane: demand mailbox and plan ring (C++ atomics in /dev/shm)";
   m.attr("FORMAT_VERSION") = kFormatVersion;
+  // The Python side's expectations of this build (afore.transport.shm.SHM_ABI): bumped when a
+  // binding's signature changes (2: votes carry plan digests; 3: StreamExchange)
+  m.attr("ABI") = 3;
   m.attr("MAGIC") = kMagic;
   m.attr("FOUND") = int(kFound);
   m.attr("NOT_YET") = int(kNotYet);

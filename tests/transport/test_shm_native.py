@@ -376,3 +376,22 @@ def test_a_signal_handler_runs_during_a_cpp_wait():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         pair.close()
+
+
+def test_an_extension_built_from_other_sources_is_not_used():
+    """A stale afore._shm (another ABI: e.g. votes without plan digests) would fail mid-serving: the
+    transport warns at import, naming the rebuild, and serves on the Python path instead."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, afore._shm as ext; ext.ABI = ext.ABI - 1\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import afore.transport.shm as shm\n"
+            "print(shm._DataPlane is None, any('rebuild it: pip install -e .' in str(x.message) for x in w))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+    from afore.transport import shm
+
+    assert shm._DataPlane is not None  # this build matches: the native plane serves

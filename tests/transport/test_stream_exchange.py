@@ -244,6 +244,7 @@ def test_a_failed_node_is_kept_later_nodes_output_zeros_and_the_next_call_raises
         assert ex.stats()["calls"] == 0 and ex.stats()["counter"] == 2
         with pytest.raises(ExchangeFailed, match="peer process"):
             ex.forward(2, x, w, ids, out)
+        assert torch.isnan(out).all()  # raised before anything was written
         with pytest.raises(ExchangeFailed):
             ex.check()
         att.close()
@@ -382,3 +383,22 @@ def test_cuda_host_nodes_eager_and_captured_in_a_graph_return_the_host_paths_bit
             assert g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
     finally:
         pool.close()
+
+
+def test_a_call_on_the_calling_thread_raises_its_own_failure():
+    """On a CPU tensor the node runs inside ``forward``: its failure is raised by that call."""
+    layout = ShmLayout(num_attention=1, num_ffn=1, hidden=H, top_k=K, max_tokens=4, depth=2)
+    seg = ShmSegment.create(_name("own"), layout)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        seg.pids[1] = pid  # the only FFN worker is gone
+        att = ShmAttentionEnd(seg.name, layout, 0, timeout_s=5, poll_s=0.02)
+        ex = StreamExchange(att, L)
+        with pytest.raises(ExchangeFailed, match=f"the peer process {pid} exited"):
+            ex.forward(0, torch.ones(1, H), torch.ones(1, K), torch.zeros(1, K, dtype=torch.int32), torch.empty(1, H))
+        att.close()
+    finally:
+        seg.close()
