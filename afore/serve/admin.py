@@ -55,6 +55,13 @@ class ProcessStatus(pydantic.BaseModel):
     alive: bool
 
 
+class DataPlaneStatus(pydantic.BaseModel):
+    transport: str = pydantic.Field(description="shm (shared buffers on one node), or the torch.distributed backend: gloo, nccl")
+    exact: bool = pydantic.Field(description="FFN replies a row per token-expert pair, summed as plain vLLM sums them (--exact)")
+    exchange: str | None = pydantic.Field(None, description="shm: stream (capturable, on the CUDA stream) or host")
+    microbatches: int
+
+
 class Status(pydantic.BaseModel):
     """``GET /afore/status``. Keys that a node does not have are left out (``ffn_ready``: role ffn
     only, ``ffn_node``: role attention only, ``policy`` is null on the attention node)."""
@@ -69,6 +76,7 @@ class Status(pydantic.BaseModel):
     ffn_workers: int
     planner: str | None = pydantic.Field(None, description="who plans each target: scheduler (the scheduler process) or "
                                                          "workers (every FFN worker, replicated); absent on role attention")
+    data_plane: DataPlaneStatus | None = pydantic.Field(None, description="how tokens travel between the pools")
     processes: dict[str, ProcessStatus] = pydantic.Field(description="child processes by name: scheduler, ffn-<w>, vllm")
     ffn_ready: int | None = pydantic.Field(None, description="role ffn: FFN workers loaded and connected")
     ffn_node: str | None = pydantic.Field(None, description="role attention: the FFN node's store address")

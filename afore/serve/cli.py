@@ -82,12 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="auto", choices=TRANSPORTS,
                         help="A2F/F2A path: shm (shared buffers on one node, sparse; CUDA tensors staged through the host), "
                              "torch-nccl (one GPU per worker, across nodes), torch-gloo (CPU hosts, or CUDA tensors staged "
-                             "through the host); auto = shm on a one-node CPU layout, else NCCL on CUDA (gloo where workers "
-                             "share a GPU), gloo on CPU across nodes")
-    parser.add_argument("--exact", action="store_true",
+                             "through the host); auto = shm on one node where the workers share the device (CPU, or cuda "
+                             "with --colocate), else NCCL on CUDA, gloo on CPU across nodes")
+    parser.add_argument("--exact", dest="exact", action="store_const", const=True, default=None,
                         help="bitwise plain vLLM's MoE numerics: FFN workers run vLLM's fused-MoE kernels on their pairs and "
                              "return a row per token-expert pair, summed by the attention worker as vLLM sums them "
-                             "(needs --transport shm and one microbatch; F2A carries top_k rows per token; docs/serving.md)")
+                             "(needs --transport shm and one microbatch; F2A carries top_k rows per token; docs/serving.md). "
+                             "Default: on with --device cuda, the shm transport and one microbatch; off otherwise")
+    parser.add_argument("--no-exact", dest="exact", action="store_const", const=False,
+                        help="per-(token, worker) partial sums in afore's own grouped GEMM (fewer F2A bytes; in bf16 the "
+                             "experts are summed in another order than vLLM's, so tokens may differ from plain vLLM's)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM --max-model-len: longest prompt + output, tokens")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0,
                         help="vLLM --max-num-batched-tokens, also the tokens per target the shm transport holds (0 = --max-model-len)")

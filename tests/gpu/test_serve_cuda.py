@@ -11,9 +11,13 @@ counters show scheduler plans used and replica copies made (not only primary-onl
 Then a killed FFN worker: the request fails fast, /health turns non-200, afore serve exits
 non-zero within 10 s; after SIGTERM no process is left and the GPU memory is released.
 
-Knobs: GPU_ARCHS (default qwen3_moe), GPU_DTYPES (bfloat16,float32), GPU_MODES (eager,graphs),
-GPU_TRANSPORTS (shm+exact,shm,shm+m2; also torch-gloo; "+exact" adds ``--exact``, "+m2" ``--microbatches 2``:
-ping-pong microbatches, compared on batched requests).
+Knobs: GPU_ARCHS (default all five tiny architectures), GPU_DTYPES (bfloat16,float32), GPU_MODES
+(eager,graphs), GPU_TRANSPORTS (auto,shm+noexact,shm+m2; "auto" is the README's command, no
+--transport: shm, the stream exchange and --exact by default; also torch-gloo; "+exact" adds
+``--exact``, "+noexact" ``--no-exact``, "+m2" ``--microbatches 2``: ping-pong microbatches,
+compared on batched requests). Without --exact in bf16 the experts are summed in another order
+than vLLM's: there the check is that afore's logprobs follow plain vLLM's within bf16 rounding
+up to and including the first differing token (a near tie), not token identity.
 """
 
 from __future__ import annotations
@@ -34,11 +38,16 @@ from afore.serve.launcher import _die_with_parent  # noqa: E402
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ARCHS = os.environ.get("GPU_ARCHS", "qwen3_moe").split(",")
+ARCHS = os.environ.get("GPU_ARCHS", "qwen3_moe,mixtral,deepseek_v2,deepseek_v3,glm4_moe").split(",")
 DTYPES = os.environ.get("GPU_DTYPES", "bfloat16,float32").split(",")
 MODES = os.environ.get("GPU_MODES", "eager,graphs").split(",")
-# a transport, "+exact" for ``--exact`` (vLLM's MoE numerics: bf16 token identity needs it)
-TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "shm+exact,shm,shm+m2").split(",")
+# a transport ("auto": none given), "+exact" / "+noexact" for ``--exact`` / ``--no-exact`` (vLLM's MoE
+# numerics: bf16 token identity needs it; on by default with shm and one microbatch)
+TRANSPORTS = os.environ.get("GPU_TRANSPORTS", "auto,shm+noexact,shm+m2").split(",")
+# without --exact in bf16: |logprob difference| allowed up to the first differing token. The expert
+# rows are rounded to bf16 (2^-8 relative) and summed in another order; through the residual
+# stream and the LM head of the tiny models that moves a logprob by a few hundredths
+BF16_REORDER_TOL = 0.1
 POLICIES = ("static", "eplb", "afore")
 RESULTS = os.environ.get("GPU_RESULTS", "")  # JSON lines of every comparison, for the report
 # each server gets a small fixed KV cache, so that all of them fit on one GPU at once
@@ -85,9 +94,11 @@ class PlainCuda(StartedServer):
 class AforeCuda(StartedServer):
     def __init__(self, model: str, dtype: str, mode: str, transport: str, log_path: str):
         port = free_port_pair()
+        base = transport.split("+")[0]
         cmd = [sys.executable, "-m", "afore.cli", "serve", "--model", model, "--device", "cuda", "--attn-workers", "1",
-               "--ffn-workers", "2", "--colocate", "--transport", transport.split("+")[0], "--policy", "static", "--verbose",
-               *(["--exact"] if "+exact" in transport else []),
+               "--ffn-workers", "2", "--colocate", *(["--transport", base] if base != "auto" else []),
+               "--policy", "static", "--verbose",
+               *(["--exact"] if "+exact" in transport else []), *(["--no-exact"] if "+noexact" in transport else []),
                *(["--microbatches", "2"] if "+m2" in transport else []),
                "--port", str(port), "--dtype", dtype, "--max-model-len", "512",
                *_mode_args(mode), *[f"--vllm-arg={a}" for a in VLLM_MEMORY]]
@@ -172,6 +183,11 @@ def test_token_identical_to_plain_vllm_under_every_policy(servers, arch, dtype, 
     started, errors, _ = servers
     assert (arch, dtype, mode, transport) in started, "\n".join(errors)
     plain, afore = started[(arch, dtype, mode, transport)]
+    plane = afore.status()["data_plane"]
+    exact = plane["exact"]
+    if transport == "auto":  # the README's command: shm, the stream exchange, vLLM's numerics
+        assert plane == {"transport": "shm", "exact": True, "exchange": "stream", "microbatches": 1}, plane
+    assert exact == ("+noexact" not in transport and "+m2" not in transport and "torch-gloo" not in transport), plane
     want = plain.greedy(PROMPTS, 16)
     for policy in POLICIES:
         code, body = afore.set_policy(policy)
@@ -182,12 +198,29 @@ def test_token_identical_to_plain_vllm_under_every_policy(servers, arch, dtype, 
         delta = {k: after[k] - before[k] for k in after}
         same = [g["ids"] == w["ids"] for g, w in zip(got, want)]
         worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["logprobs"], w["logprobs"]))
+        followed = _followed_logprob_diff(got, want)
         _record({"arch": arch, "dtype": dtype, "mode": mode, "transport": transport, "policy": policy, "identical": all(same),
-                 "max_logprob_diff": worst, **delta})
-        assert all(same), f"{policy}: tokens differ: afore {[g['ids'] for g in got]} vllm {[w['ids'] for w in want]}"
+                 "max_logprob_diff": worst, "exact": exact, "followed_logprob_diff": followed, **delta})
+        if exact or dtype == "float32":
+            assert all(same), f"{policy}: tokens differ: afore {[g['ids'] for g in got]} vllm {[w['ids'] for w in want]}"
+        else:  # bf16, experts summed in another order: plain vLLM's logprobs up to the first near tie
+            assert followed <= BF16_REORDER_TOL, (policy, followed, [g["ids"] for g in got], [w["ids"] for w in want])
         assert delta["targets"] > 0
         if policy != "static":  # plans that place replicas were used, and their copies ran
             assert delta["plans_used"] > 0 and delta["copies"] > 0, (policy, delta)
+
+
+def _followed_logprob_diff(got: list[dict], want: list[dict]) -> float:
+    """The largest |logprob difference| of each prompt's tokens up to and including the first
+    position where the two outputs differ (both logprobs there are of each side's greedy choice:
+    close only at a near tie); later positions follow other contexts and are not compared."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        for a, b, ga, wa in zip(g["ids"], w["ids"], g["logprobs"], w["logprobs"]):
+            worst = max(worst, abs(ga - wa))
+            if a != b:
+                break
+    return worst
 
 
 def _pingpong_steps(server) -> float:

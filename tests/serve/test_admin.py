@@ -22,6 +22,7 @@ class FakeLauncher:
     def status(self) -> dict:
         out = {"role": self.role, "policy": self.policy if self.role != "attention" else None, "model": "/m",
                "attn_workers": 1, "ffn_workers": 2,
+               "data_plane": {"transport": "shm", "exact": True, "exchange": "stream", "microbatches": 1},
                "processes": {"scheduler": {"pid": 11, "alive": True}, "ffn-0": {"pid": 12, "alive": False}}}
         if self.role == "ffn":
             out["ffn_ready"] = 2
@@ -66,6 +67,7 @@ def test_status_is_typed_and_leaves_out_what_the_node_lacks(admin):
     assert code == 200
     assert out["policy"] == "afore" and out["processes"]["ffn-0"] == {"pid": 12, "alive": False}
     assert "ffn_ready" not in out and "ffn_node" not in out
+    assert out["data_plane"] == {"transport": "shm", "exact": True, "exchange": "stream", "microbatches": 1}
     code, out = call(admin(FakeLauncher("ffn")), "GET", "/afore/status")
     assert code == 200 and out["ffn_ready"] == 2
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from afore.attention.role import CONFIG_ENV, AttentionRoleConfig
-from afore.serve.launcher import ServeOptions, check_shape, read_serving_spec, transport_backend
+from afore.serve.launcher import ServeOptions, check_shape, exchange_mode, read_serving_spec, transport_backend, uses_shm
 from servers import tiny
 
 
@@ -20,6 +20,34 @@ def test_auto_is_gloo_on_cpu_and_on_a_shared_gpu_else_nccl():
     # a split role cannot see the other node's GPUs: auto stays NCCL so both nodes agree
     split = ServeOptions(device="cuda", role="ffn", host="0.0.0.0", store_port=29600, ffn_workers=4, colocate=True)
     assert transport_backend(split, devices=1) == "nccl"
+
+
+def test_auto_is_shm_where_the_workers_share_the_device_and_exact_follows_it():
+    """``--transport auto``: shm on one node whose workers share the device (CPU; cuda with
+    --colocate), torch.distributed otherwise; ``--exact`` unset is on exactly where vLLM's
+    numerics need it and the layout allows it (cuda, shm, one microbatch), and an explicit
+    ``--no-exact`` / ``--exact`` wins."""
+    from afore.cli import build_parser
+    from afore.serve.cli import options_from_args
+
+    def opts(*argv):
+        return options_from_args(build_parser().parse_args(["serve", *argv]))
+
+    readme = opts("--device", "cuda", "--attn-workers", "1", "--ffn-workers", "2", "--colocate")
+    assert uses_shm(readme) and readme.exact is True and readme.microbatches == 1 and exchange_mode(readme) == "stream"
+    assert opts("--device", "cuda", "--colocate", "--no-exact").exact is False
+    assert opts("--device", "cuda", "--colocate", "--exact").exact is True
+    assert opts("--device", "cuda", "--colocate", "--microbatches", "2").exact is False  # ping-pong: vLLM's kernel choice differs
+    own_gpus = opts("--device", "cuda")
+    assert not uses_shm(own_gpus) and own_gpus.exact is False  # NCCL: per-token sums
+    assert opts("--device", "cuda", "--colocate", "--transport", "torch-gloo").exact is False
+    cpu = opts()
+    assert uses_shm(cpu) and cpu.exact is False and exchange_mode(cpu) == "host"
+    assert opts("--exact").exact is True
+    split = ServeOptions(device="cuda", role="ffn", host="0.0.0.0", store_port=29600, colocate=True)
+    assert not uses_shm(split) and split.exact is False
+    with pytest.raises(ValueError, match="exact: --exact needs one microbatch"):
+        opts("--device", "cuda", "--colocate", "--exact", "--microbatches", "2")
 
 
 def test_nccl_on_a_shared_gpu_and_unknown_transports_are_refused():
