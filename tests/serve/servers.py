@@ -141,18 +141,22 @@ class Server:
     def model_name(self) -> str:
         return self.cmd[self.cmd.index("--model") + 1]
 
-    def greedy(self, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
-        """Per prompt: token ids and their logprobs.
+    def greedy(self, prompts=PROMPTS, max_tokens: int = 12, top: int = 1) -> list[dict]:
+        """Per prompt: token ids and their logprobs; with ``top`` > 1 also "top": per position
+        the ``top`` most likely token ids and their logprobs ({id: logprob}).
 
         One request at a time, so the batch composition (which changes float rounding and can
         flip near-ties of a random-weight model) is the same on every server.
         """
         results = []
         for prompt in prompts:
-            code, out = self.complete(prompt, max_tokens=max_tokens)
+            code, out = self.complete(prompt, max_tokens=max_tokens, logprobs=top)
             assert code == 200, f"completion failed with {code}: {out}\n{self.tail()}"
             lp = out["choices"][0]["logprobs"]
-            results.append({"ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]})
+            row = {"ids": [int(t.split(":", 1)[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]}
+            if top > 1:
+                row["top"] = [{int(k.split(":", 1)[1]): v for k, v in d.items()} for d in lp["top_logprobs"]]
+            results.append(row)
         return results
 
     def batched(self, prompts=PROMPTS, max_tokens: int = 12) -> list[dict]:
