@@ -151,7 +151,12 @@ def _gpu_used_mib() -> float:
     return float(out.split()[0]) if out.strip() else -1.0
 
 
-CASES = [(a, d, m, t) for a in ARCHS for d in DTYPES for m in MODES for t in TRANSPORTS]
+# vLLM 0.26 on CUDA has no MLA attention backend for float32 (FLASH_ATTN_MLA, FLASHMLA and TRITON_MLA
+# refuse the dtype, FLASHINFER_MLA is not in the build: "No valid attention backend", H200, session
+# 16): plain vLLM itself cannot serve DeepSeek-V2/V3 in fp32 there, so there is nothing to compare
+MLA_ARCHS = {"deepseek_v2", "deepseek_v3"}
+CASES = [(a, d, m, t) for a in ARCHS for d in DTYPES for m in MODES for t in TRANSPORTS
+         if not (a in MLA_ARCHS and d == "float32")]
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +166,7 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("gpu-logs")
     models = {a: tiny(a) for a in ARCHS}  # built here, on the GPU host
     plains = {(a, d, m): PlainCuda(models[a], d, m, str(logs / f"plain-{a}-{d}-{m}.log"))
-              for a in ARCHS for d in DTYPES for m in MODES}
+              for a, d, m in dict.fromkeys(c[:3] for c in CASES)}
     jobs = {(a, d, m, t): (plains[(a, d, m)], AforeCuda(models[a], d, m, t, str(logs / f"afore-{a}-{d}-{m}-{t}.log")))
             for a, d, m, t in CASES}
     started, errors = {}, []
