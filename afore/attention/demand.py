@@ -105,6 +105,10 @@ class DemandEmitter:
     def enabled(self) -> bool:
         return self._mailbox is not None
 
+    def after_post(self) -> None:
+        """Called once a layer call's targets are posted (the inline planner records its metrics
+        there: afore.attention.planner); nothing to do here."""
+
     def emit(self, step: int, layer: int, microbatch: int, seq: int, topk_ids: torch.Tensor) -> None:
         if self._mailbox is None:
             return

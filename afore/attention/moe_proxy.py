@@ -63,8 +63,13 @@ class ForwardCounter:
         self._stream = None  # afore.attention.stream.StreamExchange with cfg.exchange "stream"
         self.clock = StageClock(self.worker)
         self.prev_exit_ns: dict[int, int] = {}  # ping-pong: per microbatch, when its last exchange ended
-        self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker, cfg.demand,
-                                    os.environ.get(role_.DEMAND_TOKEN_ENV, "") if cfg.demand else "")
+        if cfg.planner:  # this worker plans its own targets (afore serve --planner attention)
+            from afore.attention.planner import InlinePlanner
+
+            self.demand = InlinePlanner(cfg.planner, cfg.policy_board)
+        else:
+            self.demand = DemandEmitter(cfg.mailbox, cfg.num_experts, self.worker, cfg.demand,
+                                        os.environ.get(role_.DEMAND_TOKEN_ENV, "") if cfg.demand else "")
 
     @property
     def link(self):
@@ -268,6 +273,7 @@ class RemoteRoutedExperts(_RoutedExperts):
         after_post = x.is_cuda and hasattr(link, "host_ids")
         stamps = [self._post(state, link, m, x[lo:hi], topk_ids[lo:hi], topk_weights[lo:hi], after_post)
                   for m, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        state.demand.after_post()  # the inline planner's metrics, while the FFN pool computes
         for m in range(cfg.microbatches):
             lo, hi = bounds[m], bounds[m + 1]
             start = time.perf_counter_ns()
@@ -311,6 +317,7 @@ class RemoteRoutedExperts(_RoutedExperts):
         enter = time.perf_counter_ns()
         link = state.link
         demand, sent, a2f = self._post(state, link, m, x, topk_ids, topk_weights, x.is_cuda and hasattr(link, "host_ids"))
+        state.demand.after_post()
         pingpong.yield_()
         start = time.perf_counter_ns()
         seq = state.seq(self.moe_position, m)

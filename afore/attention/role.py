@@ -59,6 +59,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     pingpong: bool = True         # microbatches >= 2: split decode steps into ping-pong microbatches
                                   # (afore.attention.pingpong); False: post all of a call's targets, then wait
     spin_us: float = 0.0          # shm: busy-poll this long before blocking on the replies (afore serve --spin-us)
+    planner: str = ""             # "" (the scheduler process, or the FFN workers, plan) or the msgspec JSON of the
+                                  # ServiceConfig of the in-process planner (afore serve --planner attention,
+                                  # afore.attention.planner: this worker plans its targets and publishes the plans)
+    policy_board: str = ""        # --planner attention: the policy board's segment (policy switches)
     exchange: str = "host"        # host: each MoE layer call exchanges on the Python host (a splitting op of
                                   # piecewise CUDA graphs); stream: enqueued on the CUDA stream as a host node,
                                   # capturable (afore.attention.stream; shm, one microbatch)
@@ -100,6 +104,10 @@ class AttentionRoleConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise ValueError(f"exchange_timeout_s: expected > 0, got {self.exchange_timeout_s}")
         if not self.spin_us >= 0:
             raise ValueError(f"spin_us: expected microseconds >= 0, got {self.spin_us}")
+        if self.planner and (self.mailbox or self.demand or self.attn_workers != 1 or self.exchange != "host"):
+            raise ValueError("planner: the in-process planner needs one attention worker, the host exchange and no other "
+                             f"demand path, got attn_workers={self.attn_workers}, exchange={self.exchange!r}, "
+                             f"mailbox={self.mailbox!r}, demand={self.demand!r}")
         if self.exchange not in ("host", "stream"):
             raise ValueError(f"exchange: expected 'host' or 'stream', got {self.exchange!r}")
         if self.exchange == "stream" and (not self.shm_segment or self.microbatches != 1 or self.demand):

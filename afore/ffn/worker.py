@@ -76,6 +76,9 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     m_tile: int = 16
     plan_ring: str = ""               # PlanRing name; "" = no scheduler (primary-only plans)
     plan_timeout_ms: float = 5.0      # deadline for a target's plan at commit
+    # the plan ring's writer starts after this worker (afore serve --planner attention: vLLM's
+    # worker process plans and writes it): attach at the first target, not at start
+    plan_ring_later: bool = False
     # the replicated planner (afore serve --planner workers): this worker plans every target itself
     # with this policy, params and cost, as every other worker does (ReplicatedPlanSource); "" = the
     # scheduler's plans from plan_ring (or none)
@@ -185,8 +188,10 @@ class FFNWorker:
             from afore.migrator.plan_source import RingPlanSource
             from afore.scheduler.plan_ring import wait_for_segment
 
-            wait_for_segment(cfg.plan_ring, cfg.timeout_s)
-            plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape, spin_s=cfg.spin_us * 1e-6)
+            if not cfg.plan_ring_later:
+                wait_for_segment(cfg.plan_ring, cfg.timeout_s)
+            plan_source = RingPlanSource(cfg.plan_ring, cfg.rank, self.shape, spin_s=cfg.spin_us * 1e-6,
+                                         wait_for_writer=cfg.plan_ring_later)
         if plan_source is None and cfg.policy:
             from afore.migrator.plan_source import ReplicatedPlanSource
 
@@ -222,6 +227,10 @@ class FFNWorker:
         if cfg.exact and self.device.type == "cuda" and self.pools:
             self._warm_exact()
         self.connector = self._connect()
+        if cfg.plan_ring_later and self.plan_source is not None:
+            # the attention side is connected, so its planner made the ring: join it now, before
+            # the first target (a reader sees only plans published after it attached)
+            self.plan_source.attach()
         if self.device.type == "cuda":
             from afore.migrator.peers import open_peer_pools, publish_pools
 

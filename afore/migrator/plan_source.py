@@ -114,18 +114,31 @@ class RingPlanSource(PlanSource):
 
     REATTACH_EVERY_S = 0.005
 
-    def __init__(self, name: str, reader_id: int, shape: ClusterShape, spin_s: float = 0.0):
+    def __init__(self, name: str, reader_id: int, shape: ClusterShape, spin_s: float = 0.0, wait_for_writer: bool = False):
+        """``wait_for_writer``: the ring may not exist yet (its writer starts after this worker:
+        ``afore serve --planner attention``, where vLLM's worker process writes it); until it
+        does, every ``get`` misses at once and the source tries to attach again."""
         super().__init__()
         self.name, self.reader_id, self.shape, self.spin_s = name, reader_id, shape, spin_s
-        self.ring = PlanRing.attach(name, reader_id, shape)
         self.writer_dead_misses = 0  # targets that got no plan because the scheduler was dead
         self._next_reattach = 0.0
+        self._rejected_before = 0
+        try:
+            self.ring: PlanRing | None = PlanRing.attach(name, reader_id, shape)
+        except ValueError:
+            if not wait_for_writer:
+                raise
+            self.ring = None
 
     @property
     def rejected(self) -> int:
-        return self.ring.rejected
+        return self._rejected_before if self.ring is None else self.ring.rejected
 
     def _get(self, target: Target, seq: int, timeout_s: float, demand: np.ndarray | None) -> Plan | None:
+        if self.ring is None:
+            self._reattach()
+            if self.ring is None:
+                return None
         plan = self.ring.wait(seq, timeout_s, target, self.spin_s)  # returns at once if the writer is dead
         if plan is None:
             self.writer_dead_misses += self.ring.writer_dead
@@ -136,18 +149,26 @@ class RingPlanSource(PlanSource):
                     self._reattach()
         return plan
 
+    def attach(self) -> bool:
+        """Join the ring now if this source has none yet (``wait_for_writer``); True once attached."""
+        if self.ring is None:
+            self._reattach()
+        return self.ring is not None
+
     def _reattach(self) -> None:
         try:
             ring = PlanRing.attach(self.name, self.reader_id, self.shape)
         except ValueError:
             return  # no scheduler yet: keep missing, try again next time
-        rejected = self.ring.rejected
-        self.ring.close()
+        rejected = self.rejected
+        if self.ring is not None:
+            self.ring.close()
         self.ring = ring
         self.ring.rejected = rejected
 
     def close(self) -> None:
-        self.ring.close()
+        if self.ring is not None:
+            self.ring.close()
 
 
 class ReplicatedPlanSource(PlanSource):

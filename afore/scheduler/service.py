@@ -96,6 +96,8 @@ class ServiceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"listen: expected host:port, got {self.listen!r}")
         if self.mailbox == self.ring:
             raise ValueError("ring: expected a segment name different from mailbox")
+        if self.listen and not self.mailbox:
+            raise ValueError("listen: the demand receiver feeds the mailbox; expected a mailbox name")
 
 
 def make_service_policy(name: str, shape: ClusterShape, params: SchedulerParams, cost: CostModel):
@@ -114,14 +116,18 @@ class SchedulerService:
         self.config = config
         c = config
         self.policy = policy if policy is not None else make_service_policy(c.policy, c.shape, c.params, c.cost)
-        self.mailbox = DemandMailbox.create(c.mailbox, c.shape, c.num_producers, c.num_microbatches,
-                                            c.mailbox_capacity, c.deadline_ms / 1e3, max_ready=c.mailbox_capacity,
-                                            run_lag=c.num_microbatches if c.run_lag < 0 else c.run_lag)
+        # mailbox "": no mailbox, the service is inline (``plan_now``: the caller holds the
+        # demand, afore.attention.planner); else ``step``/``run`` take targets from it
+        self.mailbox = (DemandMailbox.create(c.mailbox, c.shape, c.num_producers, c.num_microbatches,
+                                             c.mailbox_capacity, c.deadline_ms / 1e3, max_ready=c.mailbox_capacity,
+                                             run_lag=c.num_microbatches if c.run_lag < 0 else c.run_lag)
+                        if c.mailbox else None)
         try:
             self.ring = PlanRing.create(c.ring, c.shape, c.shape.num_workers, c.ring_slots, c.liveness_timeout_s, c.pid_check,
                                         writer_timeout_s=c.writer_timeout_s)
         except BaseException:
-            self.mailbox.close()
+            if self.mailbox is not None:
+                self.mailbox.close()
             raise
         self.metrics = SchedulerMetrics(c.mailbox, c.ring, policy=c.policy, shape=c.shape)
         # The FFN workers' measured lookahead windows (window_feedback): planned with online.
@@ -129,7 +135,8 @@ class SchedulerService:
             self.window = WindowFeedback(segment_name(c.ring), c.shape.num_workers)
         except BaseException:
             self.ring.close()
-            self.mailbox.close()
+            if self.mailbox is not None:
+                self.mailbox.close()
             raise
         # The FFN workers' slot tables when they drift from the projection (slot_sync).
         try:
@@ -138,7 +145,8 @@ class SchedulerService:
         except BaseException:
             self.window.close()
             self.ring.close()
-            self.mailbox.close()
+            if self.mailbox is not None:
+                self.mailbox.close()
             raise
         self.resyncs = 0
         self.metrics_port: int | None = None
@@ -147,6 +155,7 @@ class SchedulerService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.published = 0
+        self._observed: list = []  # published plans whose metrics _bookkeeping records
         # AFORE_STAGE_TRACE=PATH: PATH.scheduler.csv, one row per published plan (CLOCK_MONOTONIC ns)
         self.trace = CsvTrace.from_env("scheduler", SCHEDULER_TRACE_COLUMNS)
         self.missed = 0
@@ -207,7 +216,8 @@ class SchedulerService:
         self.window.close()
         self.slots.close()
         self.ring.close()
-        self.mailbox.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
 
     # ---- one iteration
     def step(self, timeout_s: float = 0.05) -> int:
@@ -216,17 +226,43 @@ class SchedulerService:
         Between the complete demand and the published plan runs only what the plan depends on
         (the measured window, the workers' slot tables, the policy, the publish); the metrics and
         the segments' bookkeeping come after the publish, off the plan's latency."""
+        if self.mailbox is None:
+            raise RuntimeError("step: this service has no mailbox (inline: plan_now)")
         self.ring.heartbeat()  # idle or not, the FFN workers see the scheduler alive
         got = self.mailbox.wait_complete(timeout_s, self.config.spin_us * 1e-6)
         if got is None:
             self._bookkeeping()
             return 0
         got_ns = time.perf_counter_ns()
+        written_ns, complete_ns = self.mailbox.last_stamps
+        published = self._plan_and_publish(got.target, got.seq, got.demand, got_ns, written_ns, complete_ns)
+        self._bookkeeping()
+        return published
+
+    def plan_now(self, target: Target, seq: int, demand, bookkeeping: bool = True) -> int:
+        """Plan ``target`` (sequence number ``seq``) from ``demand`` (int64[E], its complete
+        routed counts) and publish the plan on the ring; returns 1, or 0 when no plan was
+        published (the policy failed, the publish timed out: counted, the workers run it
+        primary-only). The inline service's entry (no mailbox: the caller is the only demand
+        source, afore.attention.planner). ``bookkeeping`` False: the caller runs
+        ``bookkeeping()`` later, off the plan's latency."""
+        now = time.perf_counter_ns()
+        published = self._plan_and_publish(target, seq, demand, now, _shm.monotonic_ns(), _shm.monotonic_ns())
+        if bookkeeping:
+            self._bookkeeping()
+        return published
+
+    def bookkeeping(self) -> None:
+        """What no plan waits for (metrics of the segments, copy latencies); ``plan_now(bookkeeping=False)``."""
+        self._bookkeeping()
+
+    def _plan_and_publish(self, target: Target, seq: int, demand, got_ns: int, written_ns: int, complete_ns: int) -> int:
+        got = Observation(target, seq, demand)
         self._follow_measured_window()
         self._resync_slot_tables()
         t0 = time.perf_counter()
         try:
-            plan = self.policy.plan(Observation(got.target, got.seq, got.demand))
+            plan = self.policy.plan(got)
             if plan.seq != got.seq or plan.target != got.target:
                 raise RuntimeError(f"plan for seq {plan.seq} {plan.target}, asked for seq {got.seq} {got.target}")
         except Exception:
@@ -234,7 +270,6 @@ class SchedulerService:
             log.exception("policy %s failed on seq %d %s", self.config.policy, got.seq, got.target)
             self.metrics.misses.labels("policy_error").inc()
             self.missed += 1
-            self._bookkeeping()
             return 0
         planned_ns = time.perf_counter_ns()
         try:
@@ -243,23 +278,26 @@ class SchedulerService:
             log.warning("%s", exc)
             self.metrics.misses.labels("publish_timeout").inc()
             self.missed += 1
-            self._bookkeeping()
             return 0
         published_ns = _shm.monotonic_ns()
-        written_ns, complete_ns = self.mailbox.last_stamps
-        self.metrics.policy_latency.observe(planned_ns / 1e9 - t0)
-        self.metrics.publish_latency.observe((published_ns - complete_ns) * 1e-9)
-        self.trace.add((got.seq, written_ns, complete_ns, got_ns, int(t0 * 1e9), planned_ns, published_ns))
-        self.metrics.plans.inc()
-        self.metrics.observe_plan(plan)
+        # observed in _bookkeeping, after the publish (off the plan's latency)
+        self._observed.append((plan, planned_ns / 1e9 - t0, (published_ns - complete_ns) * 1e-9,
+                               (got.seq, written_ns, complete_ns, got_ns, int(t0 * 1e9), planned_ns, published_ns)))
         self.published += 1
-        self._bookkeeping()
         return 1
 
     def _bookkeeping(self) -> None:
         """What no plan waits for: the segments' counters, dropped targets, plan read latencies."""
+        observed, self._observed = self._observed, []
+        for plan, policy_s, publish_s, row in observed:
+            self.metrics.policy_latency.observe(policy_s)
+            self.metrics.publish_latency.observe(publish_s)
+            self.trace.add(row)
+            self.metrics.plans.inc()
+            self.metrics.observe_plan(plan)
         self.metrics.sync_segments()
-        self._count_misses()
+        if self.mailbox is not None:
+            self._count_misses()
         self._record_copy_latency()
 
     def _resync_slot_tables(self) -> None:

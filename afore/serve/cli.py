@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="who plans each target: the scheduler process (demand mailbox -> policy -> plan ring) or "
                              "every FFN worker itself, replicated (the same "
                              "deterministic policy on the same routed counts: no demand, plan or process hop on the "
-                             "decode path; one node, the shm transport on cuda)")
+                             "decode path; one node, the shm transport on cuda), or the attention worker itself (one "
+                             "attention worker: it plans each target in-process from its router output and publishes the "
+                             "plan before it posts the tokens; the host exchange)")
     parser.add_argument("--exchange", default="auto", choices=EXCHANGES,
                         help="how a MoE layer call reaches the FFN pool: host (the vLLM worker's Python waits for every "
                              "layer; a splitting op of piecewise CUDA graphs) or stream (enqueued on the CUDA stream as a "

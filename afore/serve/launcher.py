@@ -73,7 +73,9 @@ PRIMARY_LAYOUTS = ("contiguous", "affinity")
 # layout), or every FFN worker itself, replicated (afore.migrator.plan_source.ReplicatedPlanSource):
 # the same deterministic policy on the same routed counts, so no demand, plan or process hop
 # stands between a target's tokens and its compute.
-PLANNERS = ("scheduler", "workers")
+# attention: the one attention worker plans its own targets in-process and publishes on the plan ring
+# before it posts their tokens (afore.attention.planner; one attention worker, one node, the host exchange).
+PLANNERS = ("scheduler", "workers", "attention")
 # How an attention worker's MoE layer call reaches the FFN pool: on the Python host (every layer
 # call waits there; a splitting op of piecewise CUDA graphs), or enqueued on the CUDA stream as a
 # host node (afore.attention.stream: capturable, vLLM's own graph modes); auto: stream on cuda
@@ -207,8 +209,15 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.planner == "workers" and self.device == "cuda" and not uses_shm(self):
             raise ValueError(f"planner: --planner workers on cuda needs --transport shm (the FFN workers plan from "
                              f"the ids on the host), got --transport {self.transport}")
+        if self.planner == "attention" and (self.role != "all" or self.attn_workers != 1):
+            raise ValueError("planner: --planner attention needs one attention worker on the FFN workers' node "
+                             f"(--attn-workers 1, --role all), got --attn-workers {self.attn_workers} --role {self.role}: "
+                             "with several, the scheduler aggregates their demand (--planner scheduler)")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange: expected one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if self.planner == "attention" and self.exchange == "stream":
+            raise ValueError("exchange: --planner attention plans on the host exchange's path (--exchange host or auto), "
+                             "got --exchange stream")
         if self.exchange == "stream" and not uses_shm(self):
             raise ValueError(f"exchange: --exchange stream needs --transport shm, got --transport {self.transport}")
         if self.exchange == "stream" and self.microbatches != 1:
@@ -347,7 +356,8 @@ def exchange_mode(opts: ServeOptions) -> str:
     stage clock)."""
     if opts.exchange != "auto":
         return opts.exchange
-    return "stream" if opts.device == "cuda" and uses_shm(opts) and opts.microbatches == 1 else "host"
+    stream = opts.device == "cuda" and uses_shm(opts) and opts.microbatches == 1 and opts.planner != "attention"
+    return "stream" if stream else "host"
 
 
 def batched_tokens(opts: ServeOptions) -> int:
@@ -438,7 +448,7 @@ class Launcher:
         opts = self.opts
         phases = {"all": ["scheduler", "FFN workers", "vLLM"], "ffn": ["scheduler", "FFN workers"],
                   "attention": ["FFN node", "vLLM"]}[opts.role]
-        if opts.planner == "workers":  # every FFN worker plans itself: no scheduler process
+        if opts.planner in ("workers", "attention"):  # the FFN workers, or the attention worker, plan: no scheduler process
             phases.remove("scheduler")
         steps = tqdm(total=1 + len(phases), desc=f"afore serve ({opts.role})", unit="step", file=sys.stderr)
         try:
@@ -566,7 +576,7 @@ class Launcher:
         # role ffn under a wildcard --host: the store is hosted by this process on every interface
         store_host = "127.0.0.1" if is_wildcard(self.transport_host) else self.transport_host
         first_device = opts.attn_workers if opts.role == "all" else 0
-        if opts.planner == "workers" and self.policy_board is None:  # before the workers: they open it at start
+        if opts.planner in ("workers", "attention") and self.policy_board is None:  # before the workers and vLLM open it
             from afore.scheduler.policy_board import PolicyBoard
 
             self.policy_board = PolicyBoard(self.board_name, self.policy)
@@ -585,7 +595,7 @@ class Launcher:
         from afore.ffn.worker import FFNWorkerConfig
 
         opts, shape = self.opts, self.shape()
-        planner = {"plan_ring": self.ring_name}
+        planner = {"plan_ring": self.ring_name, "plan_ring_later": opts.planner == "attention"}
         if opts.planner == "workers":  # this worker plans every target itself (ReplicatedPlanSource)
             params, cost = self.planning()
             planner = {"policy": self.policy, "params": params, "cost": cost, "policy_board": self.board_name}
@@ -621,6 +631,18 @@ class Launcher:
             cmd += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
         return cmd + list(opts.vllm_args)
 
+    def inline_planner_json(self) -> str:
+        """--planner attention: the ServiceConfig of the attention worker's in-process planner
+        (afore.attention.planner), as the scheduler process would get it but with no mailbox; "" otherwise."""
+        if self.opts.planner != "attention":
+            return ""
+        from afore.scheduler.service import ServiceConfig
+
+        params, cost = self.planning()
+        cfg = ServiceConfig(shape=self.shape(), policy=self.policy, mailbox="", ring=self.ring_name, num_producers=1,
+                            num_microbatches=self.opts.microbatches, params=params, cost=cost)
+        return msgspec.json.encode(cfg).decode()
+
     def start_server(self) -> None:
         assert self.spec is not None
         split = self.opts.role == "attention"
@@ -631,7 +653,8 @@ class Launcher:
                                    dtype=self.dtype, device=self.opts.device,
                                    backend=self.backend,
                                    microbatches=self.opts.microbatches,
-                                   mailbox="" if split or self.opts.planner == "workers" else self.mailbox_name,
+                                   mailbox="" if split or self.opts.planner != "scheduler" else self.mailbox_name,
+                                   planner=self.inline_planner_json(), policy_board=self.board_name if self.opts.planner == "attention" else "",
                                    demand=f"{self.opts.ffn_host}:{self.opts.demand_port}" if split else "",
                                    store_master=not split, exchange_timeout_s=self.opts.exchange_timeout_s,
                                    shm_segment=self.data_name, max_tokens=batched_tokens(self.opts) if self.data_name else 0,
@@ -698,7 +721,7 @@ class Launcher:
         if self.opts.role != "attention":
             out["planner"] = self.opts.planner
             out["scheduler"] = (self.supervisor.scheduler.report(time.monotonic()) if self.opts.planner == "scheduler"
-                                else {"state": "workers"})
+                                else {"state": self.opts.planner})
         if self.store is not None:
             from afore.transport.connector import ffn_ready_key
 
@@ -724,7 +747,7 @@ class Launcher:
         if self.opts.role == "attention":
             raise ValueError(f"policy: the scheduler runs on the FFN node ({self.opts.ffn_host}); "
                              "switch the policy at that node's admin endpoint")
-        if self.opts.planner == "workers":  # every FFN worker follows the board before its next plan
+        if self.opts.planner in ("workers", "attention"):  # the planners follow the board before their next plan
             with self._lock:
                 if self.policy_board is None:
                     raise ValueError("policy: the FFN workers are not started yet (no policy board to post on)")
@@ -908,7 +931,11 @@ class Launcher:
 
     def _unlink_segments(self) -> None:
         """Remove the scheduler's segments if it could not (it was killed)."""
-        for name in (self.mailbox_name, self.ring_name, self.board_name):
+        from afore.scheduler.slot_sync import segment_name as slot_segment
+        from afore.scheduler.window_feedback import segment_name as window_segment
+
+        for name in (self.mailbox_name, self.ring_name, self.board_name, slot_segment(self.ring_name),
+                     window_segment(self.ring_name)):
             path = os.path.join("/dev/shm", name.lstrip("/"))
             try:
                 os.unlink(path)

@@ -132,8 +132,8 @@ class SchedulerSupervisor:
         scheduler = self.scheduler.report(now)
         if role == "attention":
             scheduler = {"state": "stopped"}  # it runs on the FFN node
-        elif planner == "workers":
-            scheduler = {"state": "workers"}  # every FFN worker plans (afore serve --planner workers)
+        elif planner in ("workers", "attention"):
+            scheduler = {"state": planner}  # the FFN workers, or the attention worker, plan (afore serve --planner)
         elif "scheduler" not in processes and self.scheduler.state == "running":
             scheduler["state"] = "restarting"  # between stop and start of a policy switch
         body: dict = {"status": "ok", "scheduler": scheduler, "dead": dead}

@@ -127,6 +127,48 @@ def test_planner_workers_token_identical_with_plans_copies_and_no_scheduler(mode
         server.stop()
 
 
+def test_planner_attention_token_identical_every_target_planned_before_its_tokens(model, want, log_dir):
+    """``afore serve --planner attention``: no scheduler process and no demand mailbox; the one
+    attention worker plans every target in-process and publishes the plan on the ring before it
+    posts the tokens, so every FFN worker finds it there (every target but the few before a
+    worker attached ran on its plan: none missed after), the plans' metrics exported from vLLM's
+    process, output identical to plain vLLM; a policy switch reaches the planner through the
+    policy board, and under eplb plans with copies are used, output still identical."""
+    server = AforeServer(model, os.path.join(log_dir, "afore-qwen3-planner-attention.log"), policy="afore",
+                         extra=["--planner", "attention"])
+    try:
+        assert_same_generation(server.greedy(), want)
+        status = server.status()
+        assert status["planner"] == "attention" and "scheduler" not in status["processes"], status
+        code, health = http("GET", server.admin + "/health", timeout=10)
+        assert code == 200 and health["scheduler"] == {"state": "attention"}, health
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert code == 200
+
+        def value(name: str, *labels: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + "{") and all(label in line for label in labels))
+
+        targets = value("afore_ffn_targets_total", 'worker="0"')
+        used = value("afore_ffn_plans_total", 'worker="0"', 'outcome="used"')
+        assert targets > 0 and used > 0.95 * targets, (used, targets)
+        assert value("afore_scheduler_plans_total") >= used  # made in the attention worker's process
+        missed_before = value("afore_ffn_plans_total", 'outcome="missed"')
+        # the second round: every worker is attached, no plan may be missed
+        assert_same_generation(server.greedy(), want)
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert value("afore_ffn_plans_total", 'outcome="missed"') == missed_before
+        # eplb replicates the hottest experts whatever the window: plans with copies, used
+        code, status = server.set_policy("eplb")
+        assert code == 200 and status["policy"] == "eplb" and "scheduler" not in status["processes"], status
+        assert_same_generation(server.greedy(), want)
+        code, text = http("GET", server.url + "/metrics", timeout=10)
+        assert _metric(text, "afore_ffn_copies_total") > 0
+        assert value("afore_scheduler_plans_total", 'policy="eplb"') > 0
+    finally:
+        server.stop()
+
+
 def test_stream_exchange_token_identical_with_demand_plans_and_copies(model, want, log_dir):
     """``afore serve --exchange stream`` on CPU: every MoE layer call runs the C++ that a CUDA host
     node runs (afore.attention.stream), posting, emitting its demand into the scheduler's mailbox

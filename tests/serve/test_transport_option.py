@@ -281,13 +281,22 @@ def test_planner_workers_is_healthy_without_a_scheduler_and_switches_on_the_boar
 def test_bad_planner_settings_are_refused():
     from afore.ffn.worker import FFNWorkerConfig
 
-    with pytest.raises(ValueError, match="planner: expected one of scheduler, workers, got 'gpu'"):
+    with pytest.raises(ValueError, match="planner: expected one of scheduler, workers, attention, got 'gpu'"):
         ServeOptions(planner="gpu")
     with pytest.raises(ValueError, match="planner: --planner workers needs every worker on one node"):
         ServeOptions(planner="workers", role="ffn", host="0.0.0.0", store_port=29600)
     with pytest.raises(ValueError, match="planner: --planner workers on cuda needs --transport shm"):
         ServeOptions(planner="workers", device="cuda", transport="torch-gloo")
     ServeOptions(planner="workers", device="cuda", transport="shm")
+    with pytest.raises(ValueError, match="planner: --planner attention needs one attention worker.*--attn-workers 2"):
+        ServeOptions(planner="attention", attn_workers=2)
+    with pytest.raises(ValueError, match="planner: --planner attention needs one attention worker.*--role ffn"):
+        ServeOptions(planner="attention", role="ffn", host="0.0.0.0", store_port=29600)
+    with pytest.raises(ValueError, match="exchange: --planner attention plans on the host exchange's path"):
+        ServeOptions(planner="attention", device="cuda", transport="shm", exchange="stream")
+    # auto: the host exchange where the attention worker plans (stream otherwise on cuda + shm)
+    assert exchange_mode(ServeOptions(planner="attention", device="cuda", transport="shm")) == "host"
+    assert exchange_mode(ServeOptions(device="cuda", transport="shm")) == "stream"
     base = dict(rank=0, num_ffn=2, num_attention=1, model="m")
     with pytest.raises(ValueError, match="policy: expected one of .*afore.*, got 'best'"):
         FFNWorkerConfig(**base, policy="best")

@@ -273,7 +273,7 @@ def _figure_means(before: dict, after: dict) -> dict[str, float | None]:
 
 
 #: the servers of ``--serve``, in the order they run and appear in the report
-SERVERS = ("afore-shm", "afore-shm-stream", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
+SERVERS = ("afore-shm", "afore-shm-attention", "afore-shm-stream", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
 
 
 def serve_selection(only: str) -> tuple[str, ...]:
@@ -296,8 +296,9 @@ def measure_serve(args, log_dir: Path) -> dict:
     model = str(build_tiny_checkpoint("qwen3_moe", seed=0))
     log_dir.mkdir(parents=True, exist_ok=True)
     trace, plain_trace, pp_trace = log_dir / "stages", log_dir / "plain", log_dir / "pingpong"
-    workers_trace = log_dir / "workers"
-    for f in [*log_dir.glob("stages*"), *log_dir.glob("plain.*"), *log_dir.glob("pingpong.*"), *log_dir.glob("workers.*")]:
+    workers_trace, attention_trace = log_dir / "workers", log_dir / "attnplan"
+    for f in [*log_dir.glob("stages*"), *log_dir.glob("plain.*"), *log_dir.glob("pingpong.*"), *log_dir.glob("workers.*"),
+              *log_dir.glob("attnplan.*")]:
         f.unlink()
     out = {}
     common = ["--model", model, "--dtype", "float32", "--max-model-len", "512"]
@@ -305,6 +306,10 @@ def measure_serve(args, log_dir: Path) -> dict:
         # afore serve's CPU default: shm, one target per MoE call; every process traces its stages
         ("afore-shm", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--verbose", *common],
          {"AFORE_STAGE_TRACE": str(trace)}),
+        # the same with the attention worker planning its targets in-process (--planner attention: no
+        # mailbox, no scheduler process; the plan is on the ring before the tokens are posted)
+        ("afore-shm-attention", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--planner", "attention",
+                                 "--verbose", *common], {"AFORE_STAGE_TRACE": str(attention_trace)}),
         # the same with the exchange as the CUDA host node's C++ (afore.attention.stream): no Python per layer
         ("afore-shm-stream", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--exchange", "stream",
                               "--verbose", *common], None),
@@ -344,7 +349,9 @@ def measure_serve(args, log_dir: Path) -> dict:
     out["breakdown"] = stage_breakdown(trace, num_layers=layers, microbatches=1)
     out["breakdown_pingpong"] = stage_breakdown(pp_trace, num_layers=layers, microbatches=2)
     out["breakdown_workers"] = stage_breakdown(workers_trace, num_layers=layers, microbatches=1)
-    out["runner"] = {"afore-shm": runner_breakdown(trace), "afore-shm-workers": runner_breakdown(workers_trace),
+    out["breakdown_attention"] = stage_breakdown(attention_trace, num_layers=layers, microbatches=1)
+    out["runner"] = {"afore-shm": runner_breakdown(trace), "afore-shm-attention": runner_breakdown(attention_trace),
+                     "afore-shm-workers": runner_breakdown(workers_trace),
                      "afore-shm-m2": runner_breakdown(pp_trace), "vllm": runner_breakdown(plain_trace)}
     return out
 
@@ -568,7 +575,8 @@ def markdown(r: dict) -> str:
         lines += ["", "Median ITL against plain vLLM (median of the rounds; targets: median <= 2x, p99 <= 3x):", "",
                   "| server | median ITL / plain | p99 ITL / plain |", "|---|---|---|"]
         lines += [f"| {name} | **{ratio:.2f}x** | {ratio99:.2f}x |" for name, ratio, ratio99 in itl_ratios(s)]
-        lines += ["", "afore-shm is the CPU default (one microbatch, the scheduler process plans); afore-shm-workers "
+        lines += ["", "afore-shm: one microbatch, the scheduler process plans; afore-shm-attention the same with "
+                  "`--planner attention` (the attention worker plans in-process); afore-shm-workers "
                   "the same with `--planner workers`; -m2 two ping-pong microbatches, -m2-serial the same without "
                   "the overlap (--no-pingpong); afore-torch-gloo the data plane before issue 10 (dense, 2 "
                   "microbatches).", ""]
@@ -586,6 +594,13 @@ def markdown(r: dict) -> str:
                       *_stage_rows(bw["stages"])]
             lines += ["", "No demand is emitted and no scheduler runs: 'FFN: taken up -> plan read and checked' is "
                       "this worker's own planning (the policy) and the plan's checks.", ""]
+        ba = s.get("breakdown_attention") or {}
+        if ba.get("stages"):
+            lines += [f"### The same with `--planner attention` (afore-shm-attention run, {ba['targets']} decode targets)", "",
+                      *_stage_rows(ba["stages"])]
+            lines += ["", "No mailbox and no scheduler process: 'demand emit' is the attention worker's own planning "
+                      "(routed counts, the policy, the publish on the plan ring), before the A2F post; the "
+                      "scheduler rows are that in-process service's.", ""]
         bp = s.get("breakdown_pingpong") or {}
         if bp.get("stages"):
             lines += [f"### The same with two ping-pong microbatches (afore-shm-m2 run, {bp['targets']} decode targets)", "",
