@@ -59,6 +59,14 @@ from afore.transport.network import data_plane_env, is_wildcard, route_source
 
 log = logging.getLogger("afore.serve")
 
+#: OpenMP wait policy of vLLM's CPU engine when the FFN workers share its cores (``afore serve`` on
+#: one CPU node; a user's own OMP_WAIT_POLICY wins). vLLM's CPU worker runs its ops on a libgomp
+#: team bound to every core, and by default a team thread spins (GOMP_SPINCOUNT, 300,000 rounds)
+#: after each parallel region before it sleeps: on the cores that the FFN workers need while the
+#: worker waits for their replies. PASSIVE: it sleeps at once. Measured on the 2-core CPU
+#: (docs/serving.md, "CPU: the OpenMP wait policy").
+OMP_WAIT_POLICY = "PASSIVE"
+
 ROLES = ("all", "ffn", "attention")
 # A2F/F2A transports: torch.distributed with NCCL (one GPU per worker) or gloo (CPU, or CUDA
 # tensors staged through the host: workers sharing a GPU, which NCCL cannot hold); auto = gloo
@@ -665,6 +673,8 @@ class Launcher:
                "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
         if self.opts.device == "cpu":
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if not split:
+                env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(self.opts.attn_workers))
         self.server = Child("vllm", subprocess.Popen(self.server_command(), env=env, **CHILD_POPEN,

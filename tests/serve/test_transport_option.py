@@ -305,3 +305,27 @@ def test_bad_planner_settings_are_refused():
     with pytest.raises(ValueError, match="policy: the replicated planner needs each target's ids on the host"):
         FFNWorkerConfig(**base, policy="afore", device="cuda:0")
     FFNWorkerConfig(**base, policy="afore", device="cuda:0", shm_segment="seg", max_tokens=8)
+
+
+def test_vllm_on_cpu_beside_the_ffn_workers_gets_a_passive_openmp_wait(monkeypatch, started):
+    """On one CPU node vLLM's engine shares its cores with the FFN workers: its OpenMP team
+    sleeps after each parallel region instead of spinning (OMP_WAIT_POLICY=PASSIVE); a user's own
+    setting wins; the attention node of a split (FFN workers elsewhere) and GPUs keep the default."""
+    import afore.serve.launcher as launcher_mod
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _start_on_tiny(launcher_mod.Launcher(ServeOptions(transport="shm", store_port=29600)))
+    assert started[-1][1]["OMP_WAIT_POLICY"] == "PASSIVE"
+    started.clear()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    _start_on_tiny(launcher_mod.Launcher(ServeOptions(transport="shm", store_port=29600)))
+    assert started[-1][1]["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    started.clear()
+    launcher = launcher_mod.Launcher(ServeOptions(role="attention", ffn_host="127.0.0.1", store_port=29600,
+                                                  transport="torch-gloo"))
+    launcher.model = tiny("qwen3_moe")
+    launcher.spec, launcher.config = read_serving_spec(launcher.model)
+    launcher.backend, launcher.dtype = "gloo", "float32"
+    launcher.start_server()
+    assert "OMP_WAIT_POLICY" not in started[-1][1]
