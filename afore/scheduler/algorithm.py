@@ -376,31 +376,41 @@ def find_level_move(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta:
                     level: int, slots: list[int | None] | None) -> tuple[int, int, int, int] | None:
     """FindLevelMove: (e, c, r, q) out of worker h for ``search_level``, or None: with ``slots``
     None a move onto an existing replica (r = -1), else onto a new replica in c's slot r =
-    slots[c]."""
+    slots[c]. Each receiver c (T_c + theta < level, a safe slot for a copy) is offered h's expert
+    with the most tiles (ties: lower index) that has (a move) or has not (a copy) a replica on c;
+    q = min(N[e, h], excess, level - T_c). The receiver is chosen by (q desc, T_c desc, c asc);
+    for a copy by (q desc, min(pooled_e, level - T_c) desc, T_c desc, c asc), with pooled_e the
+    excess of e over all its holders, sum_w min(N[e, w], max(T_w - level, 0))."""
     movable = np.flatnonzero(tiles[:, h] > theta)
     if movable.size == 0:
         return None
     n = tiles[movable, h]
     by_tiles = movable[np.lexsort((movable, -n))]  # N[e, h] desc, e asc
-    for copy in (slots is not None,):
-        best, best_key = None, None
-        for c in range(load.size):
-            slack = level - int(load[c])
-            if c == h or slack <= theta or (copy and slots[c] is None):
-                continue
-            usable = by_tiles[has[by_tiles, c] != copy]
-            if usable.size == 0:
-                continue
-            e = int(usable[0])
-            q = min(int(tiles[e, h]), excess, slack)
-            if q <= theta:
-                continue
+    copy = slots is not None
+    over = np.maximum(load - level, 0)
+    best, best_key = None, None
+    for c in range(load.size):
+        slack = level - int(load[c])
+        if c == h or slack <= theta or (copy and slots[c] is None):
+            continue
+        usable = by_tiles[has[by_tiles, c] != copy]
+        if usable.size == 0:
+            continue
+        e = int(usable[0])
+        q = min(int(tiles[e, h]), excess, slack)
+        if q <= theta:
+            continue
+        if copy:
+            # The room of c the new replica can use: every holder of e above the level may later
+            # pass its excess of e on to it (not only h), so among equal q the receiver that can
+            # take most of e's pooled excess wins; a copy is spent where it absorbs the most.
+            pooled = int(np.minimum(tiles[e], over)[has[e]].sum())
+            key = (-q, -min(pooled, slack), -int(load[c]), c)
+        else:
             key = (-q, -int(load[c]), c)
-            if best_key is None or key < best_key:
-                best, best_key = (e, c, slots[c] if copy else -1, q), key
-        if best is not None:
-            return best
-    return None
+        if best_key is None or key < best_key:
+            best, best_key = (e, c, slots[c] if copy else -1, q), key
+    return best
 
 
 def find_level_path(tiles: np.ndarray, load: np.ndarray, has: np.ndarray, theta: int, h: int, excess: int,

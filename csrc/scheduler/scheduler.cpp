@@ -792,7 +792,7 @@ int32_t Scheduler::sort_movable(int32_t u, int64_t theta) {
 
 // algorithm.find_level_move: the direct move out of h of search_level, onto an existing replica
 // (copy false) or onto a new replica in a safe slot (copy true); order (q desc, T_c desc, c asc,
-// N[e, h] desc, e asc).
+// N[e, h] desc, e asc); for a copy (q desc, min(pooled excess of e, slack) desc, T_c desc, c asc).
 bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t excess,
                                 int64_t level, bool copy, int32_t& e, int32_t& c,
                                 int32_t& r, int64_t& q) {
@@ -800,7 +800,7 @@ bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t exc
   const int32_t n = sort_movable(h, theta);
   if (n == 0) return false;
   int32_t best_c = -1, best_e = -1;
-  int64_t best_q = 0;
+  int64_t best_q = 0, best_room = 0;
   for (int32_t w = 0; w < F_; ++w) {
     const int64_t slack = level - load_[w];
     if (w == h || slack <= theta || (copy && safe_slot_[w] < 0)) continue;
@@ -813,10 +813,23 @@ bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t exc
     if (x < 0) continue;
     const int64_t qx = std::min<int64_t>(std::min<int64_t>(tiles_[x * F_ + h], excess), slack);
     if (qx <= theta) continue;
-    if (best_c < 0 || qx > best_q || (qx == best_q && load_[w] > load_[best_c])) {
+    if (best_c >= 0 && qx < best_q) continue;
+    int64_t room = 0;  // copy: min(pooled excess of x over its holders, slack)
+    if (copy) {
+      int64_t pooled = 0;
+      for (int32_t u = 0; u < F_; ++u) {
+        if (!has_[x * F_ + u]) continue;
+        const int64_t over = load_[u] - level;
+        if (over > 0) pooled += std::min<int64_t>(tiles_[x * F_ + u], over);
+      }
+      room = std::min<int64_t>(pooled, slack);
+    }
+    if (best_c < 0 || qx > best_q || (room > best_room) ||
+        (room == best_room && load_[w] > load_[best_c])) {
       best_c = w;
       best_e = x;
       best_q = qx;
+      best_room = room;
     }
   }
   if (best_c < 0) return false;
