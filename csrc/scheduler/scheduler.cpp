@@ -105,6 +105,7 @@ Scheduler::Scheduler(int64_t num_experts, int64_t num_workers, int64_t redundant
   moves_.reserve(static_cast<size_t>(max_hops_));
   kept_.reserve(static_cast<size_t>(max_hops_));
   by_tiles_.assign(E_, 0);
+  over_.assign(F_, 0);
   needy_.assign(E_, 0);
   needy_rest_.assign(F_, 0);
   needy_count_.assign(F_, 0);
@@ -801,6 +802,10 @@ bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t exc
   if (n == 0) return false;
   int32_t best_c = -1, best_e = -1;
   int64_t best_q = 0, best_room = 0;
+  int32_t n_over = 0;  // copy: the holders whose excess counts toward an expert's pooled excess
+  if (copy)
+    for (int32_t u = 0; u < F_; ++u)
+      if (load_[u] > level) over_[n_over++] = u;
   for (int32_t w = 0; w < F_; ++w) {
     const int64_t slack = level - load_[w];
     if (w == h || slack <= theta || (copy && safe_slot_[w] < 0)) continue;
@@ -817,10 +822,9 @@ bool Scheduler::find_level_move(const ScheduleInputs& in, int32_t h, int64_t exc
     int64_t room = 0;  // copy: min(pooled excess of x over its holders, slack)
     if (copy) {
       int64_t pooled = 0;
-      for (int32_t u = 0; u < F_; ++u) {
-        if (!has_[x * F_ + u]) continue;
-        const int64_t over = load_[u] - level;
-        if (over > 0) pooled += std::min<int64_t>(tiles_[x * F_ + u], over);
+      for (int32_t j = 0; j < n_over; ++j) {
+        const int32_t u = over_[j];
+        if (has_[x * F_ + u]) pooled += std::min<int64_t>(tiles_[x * F_ + u], load_[u] - level);
       }
       room = std::min<int64_t>(pooled, slack);
     }

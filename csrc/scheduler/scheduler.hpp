@@ -157,6 +157,7 @@ class Scheduler {
   std::vector<int64_t> needy_rest_;   // [F]
   std::vector<int32_t> needy_count_;  // [F]
   std::vector<int32_t> by_tiles_;     // [E] search_level: the donor's movable experts by (N desc, id)
+  std::vector<int32_t> over_;         // [F] find_level_move: the workers above the level
   std::vector<Hop> chain_;            // [F] hops of the last chain found
   std::vector<int32_t> bfs_queue_;    // [F] chain search: visited workers, level by level
   std::vector<int32_t> bfs_parent_;   // [F]
