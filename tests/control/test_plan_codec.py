@@ -152,12 +152,37 @@ def test_worker_decode_views_a_writable_ring_buffer_without_copying(make_plan):
         decode_worker_plan(buffer, SHAPE)
 
 
-def test_checksum_is_xxh64_of_everything_after_the_prefix():
-    # XXH64 of the empty input (seed 0) is 0xEF46DB3751D8E999 (the reference implementation's
-    # published value); the field keeps its low 32 bits.
-    assert checksum(bytes(12)) == 0x51D8E999
-    assert checksum(bytes(12) + b"a") == 0xA98C6E5B  # XXH64("a") = 0xD24EC4F1A98C6E5B
-    assert checksum(bytes(12) + b"a") != checksum(bytes(12) + b"b")
+@pytest.mark.parametrize("path", [0, 1])
+def test_checksum_is_stripe64_of_everything_after_the_prefix(path):
+    """The C++ checksum equals the Python specification (``stripe64_reference``) on the scalar
+    and the AVX2 path, at lengths around the stripe (64 B) and scramble block (1 KB) edges."""
+    from afore._scheduler_core import _set_checksum_path
+    from afore.scheduler.plan_codec import stripe64_reference
+
+    rng = np.random.default_rng(path)
+    try:
+        assert _set_checksum_path(path) == (path == 1 and _set_checksum_path(-1))  # AVX2 only where the CPU has it
+        _set_checksum_path(path)
+        for n in (0, 1, 7, 8, 63, 64, 65, 127, 1023, 1024, 1025, 2047, 2048, 3000, 13112):
+            data = rng.integers(0, 256, 12 + n, dtype=np.uint8).tobytes()
+            assert checksum(data) == stripe64_reference(data[12:]) & 0xFFFFFFFF, n
+        assert checksum(bytes(12)) == stripe64_reference(b"") & 0xFFFFFFFF
+    finally:
+        _set_checksum_path(-1)
+
+
+def test_checksum_sees_every_bit_reordered_stripes_and_trailing_zeros():
+    rng = np.random.default_rng(11)
+    data = bytearray(rng.integers(0, 256, 12 + 4096, dtype=np.uint8).tobytes())
+    base = checksum(bytes(data))
+    for i in range(12, len(data)):  # every byte, one bit each (a torn or flipped byte anywhere)
+        bit = 1 << (i % 8)
+        data[i] ^= bit
+        assert checksum(bytes(data)) != base, i
+        data[i] ^= bit
+    swapped = data[:12] + data[76:140] + data[12:76] + data[140:]  # two stripes exchanged
+    assert checksum(bytes(swapped)) != base
+    assert checksum(bytes(data) + b"\0") != base  # the zero-padded last stripe: the length counts
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
