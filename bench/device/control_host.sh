@@ -27,9 +27,10 @@ if [ -d .devcarry/head/afore ]; then
 fi
 timeout 120 python3 -m afore.bench.transport --producers 4 --readers 8 --experts 128 --iters 10000 \
   --name transport_host --out-dir "$RES"
-timeout "${SCHED_S:-200}" taskset -c 1 python3 -m afore.cli bench scheduler --no-policies --holdout 0 --time-limit 1 \
+timeout "${SCHED_S:-150}" taskset -c 1 python3 -m afore.cli bench scheduler --no-policies --holdout 0 --time-limit 1 \
   --out-dir "$RES/sched"
-OUT=$RES SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-150} timeout 330 python3 bench/device/decode_sweep.py > "$RES/decode_sweep.log" 2>&1
+tar czf "$OUT/control_host.tgz" -C "$RES" .  # again at the end: what ran comes back if the call is cut
+OUT=$RES SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-150} timeout 280 python3 bench/device/decode_sweep.py > "$RES/decode_sweep.log" 2>&1
 cp "$RES/decode_sweep.log" "$OUT/" 2>/dev/null
 tail -3 "$RES/decode_sweep.log"
 tar czf "$OUT/control_host.tgz" -C "$RES" . && ls -R "$RES"

@@ -34,7 +34,7 @@ LOADS = (16, 64, 256, 512)  # pairs per worker (F = 8 share of tokens x top-8)
 def candidates(block_m: int):
     seen = [c for c in DECODE_CONFIGS if c.block_m == block_m]
     for gn, dn, bk, (warps, stages) in itertools.product((16, 32, 64), (32, 64, 128), (64, 128, 256),
-                                                         ((4, 3), (4, 4), (2, 4))):
+                                                         ((4, 3), (2, 4))):
         cfg = StepConfig(block_m, gn, dn, bk, warps, stages)
         if cfg not in seen:
             seen.append(cfg)
