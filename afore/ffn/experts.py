@@ -193,6 +193,11 @@ DECODE_CONFIGS = (
     StepConfig(64, 64, 64, 64, 4, 3),
     StepConfig(16, 16, 16, 256, 2, 4),
     StepConfig(16, 16, 32, 128, 2, 4),
+    # bench/device/decode_sweep.py on an H100 (2026-12-07, bench/results/decode_sweep_h100_s22): the
+    # best of 163 configs at 512 pairs (Qwen3-30B-A3B 9.2%, GLM-4.5-Air 4.0% below the eight above)
+    # and at GLM's 16 / Qwen's 64 pairs (3.9% / 1.9%), the same output bits.
+    StepConfig(16, 32, 64, 128, 4, 3),
+    StepConfig(16, 64, 64, 128, 4, 3),
 )
 PREFILL_CONFIGS = (
     StepConfig(64, 128, 128, 64, 8, 3),
