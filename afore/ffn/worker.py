@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from afore.config import DEFAULT_COPY_RATE_GBPS, ClusterShape, CostModel, SchedulerParams
+from afore.ffn import cpus as cpus_
 from afore.ffn.layer import FFNLayer
 from afore.ffn.metrics import FFNMetrics
 from afore.ffn.stages import ffn_trace
@@ -99,6 +100,8 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 0               # shm: tokens per target and attention worker the segment holds
     exact: bool = False               # shm: vLLM's MoE numerics, a reply row per pair (afore.ffn.exact)
     spin_us: float = 0.0              # busy-poll this long before blocking: targets, plans, votes (shm and the plan ring)
+    cpus: list[int] = []              # CPU workers: the cores this worker is pinned to ([] = not pinned; afore.ffn.cpus)
+    nice: int = 0                     # added to this worker's niceness at start (afore.ffn.cpus)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_ffn:
@@ -115,6 +118,12 @@ class FFNWorkerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
         if self.depth < 2:
             raise ValueError(f"depth: expected >= 2 (two microbatches in flight), got {self.depth}")
+        if self.cpus and not self.device.startswith("cpu"):
+            raise ValueError(f"cpus: pinning is for CPU workers, got device {self.device!r}")
+        if any(c < 0 for c in self.cpus) or len(set(self.cpus)) != len(self.cpus):
+            raise ValueError(f"cpus: expected distinct core ids >= 0, got {self.cpus}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice: expected in [0, 19], got {self.nice}")
         if self.shm_segment and self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1 with shm_segment, got {self.max_tokens}")
         if self.exact and not self.shm_segment:
@@ -158,9 +167,12 @@ class FFNWorker:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         else:
+            # first, before any thread of this worker exists: they inherit both (afore.ffn.cpus)
+            cpus_.apply(cfg.cpus, cfg.nice)
             # CPU workers share the cores with each other and with vLLM: an intra-op pool per worker
             # only adds OpenMP threads that spin after each op and starve the other processes
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.num_ffn + cfg.num_attention)))
+            torch.set_num_threads(len(cfg.cpus) if cfg.cpus else
+                                  cpus_.threads_per_worker(os.cpu_count() or 1, cfg.num_ffn, cfg.num_attention))
         dtype = DTYPES[cfg.dtype]
         spec = read_model_spec(cfg.model)
         self.spec = spec

@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shm data plane: busy-poll this long before blocking in every wait on the decode path "
                              "(attention replies, FFN targets and plans, scheduler demand); costs a core per waiting "
                              "process (default 0: always block; docs/serving.md says what 2000 measured)")
+    parser.add_argument("--ffn-cpus", default="auto", metavar="auto|none|LIST",
+                        help="CPU FFN workers' cores: auto (default) pins worker r to its own block of this process's "
+                             "cores, round robin; none leaves them to the kernel; a list (0,2-3) pins them round robin "
+                             "over those cores (docs/serving.md, 'CPU: where the FFN workers run')")
+    parser.add_argument("--ffn-nice", type=int, default=5, metavar="N",
+                        help="CPU FFN workers run at this niceness above vLLM's processes, which then preempt their "
+                             "after-reply work (0-19, default 5; 0 = the same priority)")
     parser.add_argument("--planner", default="scheduler", choices=PLANNERS,
                         help="who plans each target: the scheduler process (demand mailbox -> policy -> plan ring) or "
                              "every FFN worker itself, replicated (the same "
@@ -125,7 +132,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         vllm_args=list(args.vllm_arg), verbose=args.verbose, log_file=args.log_file,
                         primaries=args.primaries, primaries_file=args.primaries_file, calibration=args.calibration,
                         exact=args.exact, pingpong=not args.no_pingpong, spin_us=args.spin_us,
-                        planner=args.planner, exchange=args.exchange)
+                        planner=args.planner, exchange=args.exchange, ffn_cpus=args.ffn_cpus, ffn_nice=args.ffn_nice)
 
 
 def run(args: argparse.Namespace) -> int:

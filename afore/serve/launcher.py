@@ -52,6 +52,7 @@ from afore.metrics import multiprocess
 from afore.serve.supervisor import SchedulerSupervisor
 from afore.models.checkpoint import read_model_spec
 from afore.models.spec import ARCHITECTURES, ModelSpec
+from afore.ffn import cpus as ffn_cpus_
 from afore.procs import child_running
 from afore.scheduler.policies import POLICY_NAMES
 from afore.serve.console import ChildOutput, ready_banner
@@ -145,6 +146,8 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spin_us: float = 0.0            # busy-poll before blocking in the exchange waits (spin_seconds); 0 = block
     planner: str = "scheduler"      # PLANNERS
     exchange: str = "auto"          # EXCHANGES; exchange_mode() resolves auto
+    ffn_cpus: str = "auto"          # CPU FFN workers' cores: auto (pinned round robin on cpu), none, or a list (afore.ffn.cpus)
+    ffn_nice: int = 5               # CPU FFN workers' niceness above vLLM's processes (0 = the same)
 
     def __post_init__(self) -> None:
         if self.primaries not in PRIMARY_LAYOUTS:
@@ -228,6 +231,12 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "got --exchange stream")
         if self.exchange == "stream" and not uses_shm(self):
             raise ValueError(f"exchange: --exchange stream needs --transport shm, got --transport {self.transport}")
+        if self.ffn_cpus not in ffn_cpus_.CPU_MODES:
+            if self.device != "cpu":
+                raise ValueError(f"ffn_cpus: a core list pins CPU FFN workers, got --device {self.device}")
+            ffn_cpus_.check_cpu_option(self.ffn_cpus, os.sched_getaffinity(0))
+        if not 0 <= self.ffn_nice <= 19:
+            raise ValueError(f"ffn_nice: expected in [0, 19], got {self.ffn_nice}")
         if self.exchange == "stream" and self.microbatches != 1:
             raise ValueError(f"exchange: --exchange stream needs one microbatch (ping-pong runs on the host), "
                              f"got --microbatches {self.microbatches}")
@@ -612,7 +621,15 @@ class Launcher:
                                dtype=self.dtype, backend=self.backend, redundant_slots=shape.redundant_slots,
                                m_tile=shape.m_tile, copy_rate_gbps=opts.copy_rate_gbps,
                                timeout_s=max(opts.start_timeout_s, opts.exchange_timeout_s), shape=shape,
-                               spin_us=spin_seconds(opts) * 1e6, **planner, **self._shm_fields())
+                               spin_us=spin_seconds(opts) * 1e6, **planner, **self._shm_fields(), **self._cpu_fields(rank))
+
+    def _cpu_fields(self, rank: int) -> dict:
+        """CPU FFN worker ``rank``'s cores and niceness (afore.ffn.cpus); {} on cuda."""
+        if self.opts.device != "cpu":
+            return {}
+        opts = self.opts
+        return {"cpus": ffn_cpus_.placement(opts.ffn_cpus, opts.device, rank, opts.ffn_workers, opts.attn_workers),
+                "nice": opts.ffn_nice}
 
     def _shm_fields(self) -> dict:
         """The shm transport's FFN worker fields (segment, tokens per target, targets in flight);

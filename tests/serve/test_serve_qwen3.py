@@ -250,6 +250,22 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
+def test_a1f2_ffn_workers_pinned_to_their_own_cores_below_vllms_priority(a1f2):
+    """--ffn-cpus auto / --ffn-nice 5 (the CPU defaults, afore.ffn.cpus): each FFN worker process
+    runs on its block of the node's cores (no core shared by both when there are two) at niceness
+    5 above the vLLM API server's."""
+    from afore.ffn.cpus import worker_cpus
+
+    procs = a1f2.status()["processes"]
+    cores = sorted(os.sched_getaffinity(0))
+    got = {r: sorted(os.sched_getaffinity(procs[f"ffn-{r}"]["pid"])) for r in range(2)}
+    assert got == {r: worker_cpus(cores, r, 2, 1) for r in range(2)}
+    if len(cores) >= 2:
+        assert set(got[0]).isdisjoint(got[1])
+    base = os.getpriority(os.PRIO_PROCESS, procs["vllm"]["pid"])
+    assert [os.getpriority(os.PRIO_PROCESS, procs[f"ffn-{r}"]["pid"]) - base for r in range(2)] == [5, 5]
+
+
 def test_a1f2_prometheus_metrics_of_scheduler_and_ffn_workers(a1f2):
     code, out = a1f2.set_policy("afore")  # plans that are not primary-only: the migrator records windows
     assert code == 200, out

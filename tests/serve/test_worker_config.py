@@ -58,3 +58,44 @@ def test_worker_cli_errors_name_the_field():
         worker_cli.config_from_args(_parse(["--rank", "0"]))
     cfg = worker_cli.config_from_args(_parse(["--rank", "0", "--num-ffn", "2", "--num-attention", "1", "--model", "m"]))
     assert isinstance(cfg, FFNWorkerConfig) and cfg.shape is None  # standalone: the worker derives its shape
+
+
+def test_cpu_workers_get_their_own_cores_and_niceness_from_the_launcher():
+    """--ffn-cpus auto (the default) on cpu: worker r pinned to its block of the launcher's cores,
+    round robin, at --ffn-nice; none: not pinned; cuda: neither field set."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    launcher = _launcher(ffn_workers=2)
+    got = [launcher.ffn_worker_config(r, "127.0.0.1", r) for r in range(2)]
+    threads = max(1, len(cores) // 3)
+    assert [c.cpus for c in got] == [sorted({cores[(r * threads + j) % len(cores)] for j in range(threads)}) for r in range(2)]
+    assert [c.nice for c in got] == [5, 5]
+    if len(cores) >= 2:
+        assert set(got[0].cpus).isdisjoint(got[1].cpus)  # two workers never share a core when there are two
+    cfg = _launcher(ffn_workers=2, ffn_cpus="none", ffn_nice=0).ffn_worker_config(1, "127.0.0.1", 1)
+    assert (cfg.cpus, cfg.nice) == ([], 0)
+    cfg = _launcher(ffn_workers=3, ffn_cpus=str(cores[0])).ffn_worker_config(2, "127.0.0.1", 2)
+    assert cfg.cpus == [cores[0]]  # a one-core list: every worker on it
+    decoded = worker_cli.config_from_args(_parse(["--config-json", msgspec.json.encode(got[1]).decode()]))
+    assert decoded == got[1]
+
+
+def test_ffn_cpu_options_are_checked_naming_the_field():
+    import os
+
+    outside = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=r"ffn_cpus: cores \[%d\]" % outside):
+        ServeOptions(ffn_cpus=f"0,{outside}")
+    with pytest.raises(ValueError, match="ffn_cpus: expected 'auto', 'none' or core ids"):
+        ServeOptions(ffn_cpus="fast")
+    with pytest.raises(ValueError, match="ffn_cpus: a core list pins CPU FFN workers"):
+        ServeOptions(device="cuda", ffn_cpus="0")
+    with pytest.raises(ValueError, match=r"ffn_nice: expected in \[0, 19\]"):
+        ServeOptions(ffn_nice=-1)
+    with pytest.raises(ValueError, match="cpus: pinning is for CPU workers"):
+        FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="m", device="cuda:0", cpus=[0])
+    with pytest.raises(ValueError, match="cpus: expected distinct core ids"):
+        FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="m", cpus=[0, 0])
+    with pytest.raises(ValueError, match=r"nice: expected in \[0, 19\]"):
+        FFNWorkerConfig(rank=0, num_ffn=1, num_attention=1, model="m", nice=20)

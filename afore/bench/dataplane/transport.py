@@ -273,7 +273,7 @@ def _figure_means(before: dict, after: dict) -> dict[str, float | None]:
 
 
 #: the servers of ``--serve``, in the order they run and appear in the report
-SERVERS = ("afore-shm", "afore-shm-attention", "afore-shm-stream", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
+SERVERS = ("afore-shm", "afore-shm-attention", "afore-shm-attention-unpinned", "afore-shm-attention-nonice", "afore-shm-stream", "afore-shm-workers", "afore-shm-m2", "afore-shm-m2-serial", "afore-torch-gloo", "vllm")
 
 
 def serve_selection(only: str) -> tuple[str, ...]:
@@ -310,6 +310,12 @@ def measure_serve(args, log_dir: Path) -> dict:
         # mailbox, no scheduler process; the plan is on the ring before the tokens are posted)
         ("afore-shm-attention", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--planner", "attention",
                                  "--verbose", *common], {"AFORE_STAGE_TRACE": str(attention_trace)}),
+        # the same with the FFN workers where the kernel puts them, at vLLM's priority (before
+        # afore.ffn.cpus), and pinned but at vLLM's priority
+        ("afore-shm-attention-unpinned", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--planner",
+                                          "attention", "--ffn-cpus", "none", "--ffn-nice", "0", "--verbose", *common], None),
+        ("afore-shm-attention-nonice", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--planner",
+                                        "attention", "--ffn-nice", "0", "--verbose", *common], None),
         # the same with the exchange as the CUDA host node's C++ (afore.attention.stream): no Python per layer
         ("afore-shm-stream", [sys.executable, "-m", "afore.cli", "serve", "--transport", "shm", "--exchange", "stream",
                               "--verbose", *common], None),
@@ -576,7 +582,9 @@ def markdown(r: dict) -> str:
                   "| server | median ITL / plain | p99 ITL / plain |", "|---|---|---|"]
         lines += [f"| {name} | **{ratio:.2f}x** | {ratio99:.2f}x |" for name, ratio, ratio99 in itl_ratios(s)]
         lines += ["", "afore-shm: one microbatch, the scheduler process plans; afore-shm-attention the same with "
-                  "`--planner attention` (the attention worker plans in-process); afore-shm-workers "
+                  "`--planner attention` (the attention worker plans in-process); -unpinned the same with "
+                  "`--ffn-cpus none --ffn-nice 0` (FFN workers placed by the kernel at vLLM's priority), -nonice "
+                  "with `--ffn-nice 0` (pinned, vLLM's priority); afore-shm-workers "
                   "the same with `--planner workers`; -m2 two ping-pong microbatches, -m2-serial the same without "
                   "the overlap (--no-pingpong); afore-torch-gloo the data plane before issue 10 (dense, 2 "
                   "microbatches).", ""]
