@@ -231,15 +231,14 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "got --exchange stream")
         if self.exchange == "stream" and not uses_shm(self):
             raise ValueError(f"exchange: --exchange stream needs --transport shm, got --transport {self.transport}")
-        if self.ffn_cpus not in ffn_cpus_.CPU_MODES:
-            if self.device != "cpu":
-                raise ValueError(f"ffn_cpus: a core list pins CPU FFN workers, got --device {self.device}")
-            ffn_cpus_.check_cpu_option(self.ffn_cpus, os.sched_getaffinity(0))
-        if not 0 <= self.ffn_nice <= 19:
-            raise ValueError(f"ffn_nice: expected in [0, 19], got {self.ffn_nice}")
         if self.exchange == "stream" and self.microbatches != 1:
             raise ValueError(f"exchange: --exchange stream needs one microbatch (ping-pong runs on the host), "
                              f"got --microbatches {self.microbatches}")
+        if self.ffn_cpus not in ffn_cpus_.CPU_MODES and self.device != "cpu":
+            raise ValueError(f"ffn_cpus: a core list pins CPU FFN workers, got --device {self.device}")
+        ffn_cpus_.check_cpu_option(self.ffn_cpus, os.sched_getaffinity(0))
+        if not 0 <= self.ffn_nice <= 19:
+            raise ValueError(f"ffn_nice: expected in [0, 19], got {self.ffn_nice}")
 
     @property
     def admin(self) -> int:
