@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from afore.affinity.token_model import TokenModel
+from afore.traces.locate import trace_dir_candidates
 
 MODELS = {"olmoe": (64, 8), "mistral": (8, 2)}   # name in the CSVs -> (experts, top_k)
 LAYER_PAIRS = ((0, 7), (7, 15))
@@ -28,13 +29,9 @@ DOMAINS = ("arxiv", "book", "c4", "github", "wikipedia")
 
 
 def find_olmoe_dir(explicit: str | os.PathLike | None = None) -> Path | None:
-    """The OLMoE data folder: ``explicit``, else $AFORE_TRACES/olmoe, else ../shared/traces/olmoe
-    from the repository or the working directory; None when absent."""
-    candidates = [Path(explicit)] if explicit else []
-    if os.environ.get("AFORE_TRACES"):
-        candidates.append(Path(os.environ["AFORE_TRACES"]) / "olmoe")
-    repo = Path(__file__).resolve().parents[2]
-    candidates += [repo.parent / "shared" / "traces" / "olmoe", Path.cwd().parent / "shared" / "traces" / "olmoe"]
+    """The OLMoE data folder: ``explicit``, else the shared traces' ``olmoe``
+    (afore.traces.locate: $AFORE_TRACES, ../shared/traces, /work/shared/traces); None when absent."""
+    candidates = ([Path(explicit)] if explicit else []) + trace_dir_candidates("olmoe")
     for path in candidates:
         if (path / "expert_counts_crosslayer.csv").is_file():
             return path

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from afore.traces.format import Trace
+from afore.traces.locate import trace_dir_candidates
 
 # file name -> (model id, hidden size, moe intermediate size, default layers)
 MODELS: dict[str, tuple[str, str, int, int, tuple[int, ...] | None]] = {
@@ -27,21 +28,14 @@ MODELS: dict[str, tuple[str, str, int, int, tuple[int, ...] | None]] = {
     "qwen": ("expert_freq_qwen_policy_datasets.csv", "Qwen/Qwen1.5-MoE-A2.7B-Chat (top-1 of the real gate)", 2048, 1408, None),
 }
 
-DEFAULT_DIR_CANDIDATES = ("../shared/traces/harmoeny", "/work/shared/traces/harmoeny")
-
 
 def find_harmoeny_dir(explicit: str | os.PathLike | None = None) -> Path | None:
     """The HarMoEny data folder: ``explicit`` (or None if it holds no CSVs), else
     $AFORE_TRACES/harmoeny or ../shared/traces/harmoeny; None when absent."""
-    candidates: list[Path] = []
     if explicit is not None:  # an explicit folder is authoritative: no silent fallback
         path = Path(explicit)
         return path if path.is_dir() and any(path.glob("expert_freq_*.csv")) else None
-    if os.environ.get("AFORE_TRACES"):
-        candidates.append(Path(os.environ["AFORE_TRACES"]) / "harmoeny")
-    repo = Path(__file__).resolve().parents[2]
-    candidates += [repo / c for c in DEFAULT_DIR_CANDIDATES[:1]] + [Path(c) for c in DEFAULT_DIR_CANDIDATES]
-    for path in candidates:
+    for path in trace_dir_candidates("harmoeny"):
         if path.is_dir() and any(path.glob("expert_freq_*.csv")):
             return path
     return None
