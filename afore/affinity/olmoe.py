@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from afore.affinity.token_model import TokenModel
-from afore.traces.locate import trace_dir_candidates
+from afore.shared import trace_dir_candidates
 
 MODELS = {"olmoe": (64, 8), "mistral": (8, 2)}   # name in the CSVs -> (experts, top_k)
 LAYER_PAIRS = ((0, 7), (7, 15))
@@ -30,7 +30,7 @@ DOMAINS = ("arxiv", "book", "c4", "github", "wikipedia")
 
 def find_olmoe_dir(explicit: str | os.PathLike | None = None) -> Path | None:
     """The OLMoE data folder: ``explicit``, else the shared traces' ``olmoe``
-    (afore.traces.locate: $AFORE_TRACES, ../shared/traces, /work/shared/traces); None when absent."""
+    (afore.shared: $AFORE_TRACES, ../shared/traces, /work/shared/traces); None when absent."""
     candidates = ([Path(explicit)] if explicit else []) + trace_dir_candidates("olmoe")
     for path in candidates:
         if (path / "expert_counts_crosslayer.csv").is_file():

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from afore.traces.format import Trace
-from afore.traces.locate import trace_dir_candidates
+from afore.shared import trace_dir_candidates
 
 # file name -> (model id, hidden size, moe intermediate size, default layers)
 MODELS: dict[str, tuple[str, str, int, int, tuple[int, ...] | None]] = {

@@ -25,13 +25,14 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
+from afore import shared  # noqa: E402
 from afore.serve.cli import add_arguments  # noqa: E402
 from afore.serve.launcher import ServeOptions, check_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
-CRD = REPO.parent / "shared" / "k8s" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+CRD_PARTS = ("k8s", "leaderworkerset.x-k8s.io_leaderworkersets.yaml")  # in the workplace's shared folder (afore.shared)
 K8S_VERSION = "1.32"
 WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"  # pod label set by the LWS controller: 0 = leader
 NAMESPACE = "NAMESPACE"  # stands for the namespace the objects are applied to
@@ -195,10 +196,11 @@ def _structural(schema):
 
 @functools.cache
 def lws_validator():
-    if not CRD.exists():
-        pytest.fail(f"LeaderWorkerSet CRD not found at {CRD}: the deploy tests need the workplace's "
-                    "shared/k8s beside the repository (as CI has it)")
-    crd = yaml.safe_load(CRD.read_text())
+    crd_path = shared.find(*CRD_PARTS)
+    if crd_path is None:
+        pytest.fail(f"LeaderWorkerSet CRD not found in {[str(p) for p in shared.candidates(*CRD_PARTS)]}: the deploy "
+                    "tests need the workplace's shared/k8s (as CI has it)")
+    crd = yaml.safe_load(crd_path.read_text())
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
     schema = _structural(versions["v1"]["schema"]["openAPIV3Schema"])
     return jsonschema.Draft7Validator(schema)
