@@ -29,6 +29,7 @@ import torch
 
 from afore.config import ClusterShape
 from afore.plan import Plan
+from afore.scheduler.plan_codec import DecodedPlan
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -52,6 +53,16 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
     per-shape constants cached (``_WorkerConstants``).
     """
     e, f = shape.num_experts, shape.num_workers
+    if _native_table is not None and type(plan) is DecodedPlan and plan.body_in_place() and plan._ef == (e, f):
+        # read from the wire for this shape: the C++ table reads the body where it lies
+        c = _worker_constants(shape, worker)
+        table = c.template.copy()
+        _, assignment, slot, _ = plan.addresses()
+        reason = _native_table(e, f, worker, num_slots, c.width, assignment, slot, c.owner.ctypes.data,
+                               c.primary_slot.ctypes.data, table.ctypes.data)
+        if reason:
+            raise ValueError(reason)
+        return table
     a = np.asarray(plan.assignment)
     s = np.asarray(plan.slot)
     for name, arr in (("assignment", a), ("slot", s)):

@@ -166,6 +166,11 @@ class Migrator:
         if plan.target.layer not in self.pools:
             return f"target.layer: {plan.target.layer} is not served by worker {self.worker}", []
         e, f = self.shape.num_experts, self.shape.num_workers
+        if type(plan) is DecodedPlan and _native_check is not None and plan.body_in_place():
+            # read from the wire for this shape (decode_worker_plan checked it): the C++ checks read the
+            # body where it lies, no array of it is made
+            demand, assignment, slot, copies = plan.addresses()
+            return self._native(plan, assignment, slot, demand, copies, plan.num_copies, True)
         # a decoded plan's replicas are its slot >= 0 by construction (computed only if asked for)
         names = ("assignment", "slot") if isinstance(plan, DecodedPlan) else ("assignment", "slot", "replicas")
         for name in names:
@@ -177,18 +182,8 @@ class Migrator:
         if _native_check is not None and plan.demand.shape == (e,) and _int32_rows(assignment, slot, plan.copies) \
                 and plan.demand.dtype == np.int64 and plan.demand.flags.c_contiguous:
             # the same checks and messages in one C++ call (afore._ffn, csrc/ffn/plan_check.cpp)
-            projected = self.projected[plan.target.layer]
-            # the addresses of this worker's own arrays are read once (``.ctypes.data`` costs ~1 us
-            # each); ``projected`` is changed in place, and re-read if it was replaced
-            cached = self._pointers.get(plan.target.layer)
-            if cached is None or cached[0] is not projected:
-                cached = self._pointers[plan.target.layer] = (projected, projected.ctypes.data)
-            owner, flat, primary = self._static_pointers
-            reason, reads = _native_check(e, f, self.worker, self.num_primaries,
-                                          self.num_primaries + self.shape.redundant_slots, assignment.ctypes.data,
-                                          slot.ctypes.data, plan.demand.ctypes.data, plan.copies.ctypes.data,
-                                          len(plan.copies), owner, flat, primary, cached[1], projected.size)
-            return (reason or None), (reads if not reason else [])
+            return self._native(plan, assignment.ctypes.data, slot.ctypes.data, plan.demand.ctypes.data,
+                                plan.copies.ctypes.data, len(plan.copies), False)
         if plan.demand.shape != (e,) or (assignment.sum(axis=1) != plan.demand).any():
             return "assignment: rows do not sum to demand", []
         works = assignment > 0
@@ -209,6 +204,11 @@ class Migrator:
                     return f"copies: slot {s} is not a redundant slot of worker {dst}", []
                 projected[s - self.num_primaries] = ex
         mine = slot[:, self.worker]
+        foreign = works[:, self.worker] & (mine < self.num_primaries) & (self._owner_arr != self.worker)
+        if foreign.any():  # a primary slot holds its own primary only: these pairs would run on its weights
+            ex = int(np.flatnonzero(foreign)[0])
+            return (f"slot: expert {ex} on worker {self.worker} bound to primary slot {int(mine[ex])} of another expert",
+                    [])
         reads = []
         for ex in np.flatnonzero((mine >= self.num_primaries) & works[:, self.worker]).tolist():
             s = int(mine[ex])
@@ -219,6 +219,23 @@ class Migrator:
             reads.append((s, ex))
         reads.sort()  # distinct slots: two experts in one slot cannot both match projected
         return None, reads
+
+    def _native(self, plan: Plan, assignment: int, slot: int, demand: int, copies: int, num_copies: int,
+                demand_int32: bool) -> tuple[str | None, list[tuple[int, int]]]:
+        """``_check``'s checks after the seq and target in C++, on the plan's arrays at these
+        addresses (int32 row-major; demand int64, or int32 where ``demand_int32``)."""
+        e, f = self.shape.num_experts, self.shape.num_workers
+        projected = self.projected[plan.target.layer]
+        # the addresses of this worker's own arrays are read once (``.ctypes.data`` costs ~1 us
+        # each); ``projected`` is changed in place, and re-read if it was replaced
+        cached = self._pointers.get(plan.target.layer)
+        if cached is None or cached[0] is not projected:
+            cached = self._pointers[plan.target.layer] = (projected, projected.ctypes.data)
+        owner, flat, primary = self._static_pointers
+        reason, reads = _native_check(e, f, self.worker, self.num_primaries, self.num_primaries + self.shape.redundant_slots,
+                                      assignment, slot, demand, copies, num_copies, owner, flat, primary, cached[1],
+                                      projected.size, demand_int32)
+        return (reason or None), (reads if not reason else [])
 
     # ------------------------------------------------------------------ the three steps
 
@@ -237,7 +254,7 @@ class Migrator:
         jobs: list[tuple[int, int, int]] = []
         deferred: list[tuple[int, int, int]] = []
         nbytes = 0
-        if len(plan.copies):
+        if (plan.num_copies if type(plan) is DecodedPlan else len(plan.copies)):
             for ex, src, dst, s in plan.copies.tolist():
                 if dst != self.worker:
                     continue

@@ -186,13 +186,47 @@ def decode_header(data: bytes | memoryview | np.ndarray) -> tuple[PlanHeader, in
     return header, start + head_len
 
 
-class DecodedPlan(Plan):
-    """A Plan read from the wire: ``replicas`` (``slot >= 0``) is computed on first use.
+class _BodyField:
+    """A field of a ``DecodedPlan`` made on first read (a view of the plan's body, or for ``demand``
+    its int64 copy), then a plain attribute of the plan (a non-data descriptor: the instance's own
+    value, once set, is found first)."""
 
-    Every other field is set at decode time; the arrays are int32 views of one copy of the body.
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, plan, owner=None):
+        if plan is None:
+            return self
+        value = plan.__dict__[self.name] = self.make(plan)
+        return value
+
+
+_ADDRESS_INDEX = {"demand": 0, "assignment": 1, "slot": 2, "copies": 3}
+
+
+class DecodedPlan(Plan):
+    """A Plan read from the wire, its arrays made when they are first read: int32 views of the
+    entry's body (writable, zero-copy: the buffer the ring's copy went into), ``demand`` an int64
+    copy, ``replicas`` (``slot >= 0``) computed. The decode checked everything these views index
+    (``decode_worker_plan``), so a reader that needs only some of them pays only for those, and
+    one that hands the body to C++ needs none: ``addresses`` gives where each array starts, and
+    ``digest`` is the entry's checksum.
     """
 
     _replicas: np.ndarray | None = None
+
+    # body: demand [E], then assignment, tiles, slot [E, F] each, tile_load [F], copies [C, 4]
+    _body = _BodyField(lambda p: p._data[p._offset:].view(_I32))
+    _per_pair = _BodyField(lambda p: p._body[p._ef[0]:p._ef[0] * (1 + 3 * p._ef[1])].reshape(3, *p._ef))
+    demand = _BodyField(lambda p: p._body[:p._ef[0]].astype(np.int64))
+    assignment = _BodyField(lambda p: p._per_pair[0])
+    tiles = _BodyField(lambda p: p._per_pair[1])
+    slot = _BodyField(lambda p: p._per_pair[2])
+    tile_load = _BodyField(lambda p: p._body[p._ef[0] * (1 + 3 * p._ef[1]):][:p._ef[1]])
+    copies = _BodyField(lambda p: p._body[p._ef[0] * (1 + 3 * p._ef[1]) + p._ef[1]:].reshape(p.num_copies, 4))
 
     @property
     def replicas(self) -> np.ndarray:  # type: ignore[override]
@@ -203,6 +237,29 @@ class DecodedPlan(Plan):
     @replicas.setter
     def replicas(self, value: np.ndarray | None) -> None:
         self._replicas = value
+
+    def addresses(self) -> tuple[int, int, int, int]:
+        """Where the body's int32 arrays start in memory: (demand [E], assignment [E, F], slot
+        [E, F], copies [C, 4]), row-major; valid while this plan lives (it holds the buffer)."""
+        e, f = self._ef
+        base = self._address + self._offset
+        return base, base + 4 * e, base + 4 * (e + 2 * e * f), base + 4 * (e + 3 * e * f + f)
+
+    def body_in_place(self) -> bool:
+        """Whether the arrays are still the body's (none of demand, assignment, slot, copies was
+        set to another array since the decode; reading them keeps them the body's views)."""
+        d = self.__dict__
+        for name in ("demand", "assignment", "slot", "copies"):
+            value = d.get(name)
+            if value is not None and not (name == "demand" or value.base is not None and
+                                          value.__array_interface__["data"][0] == self.addresses()[_ADDRESS_INDEX[name]]):
+                return False
+        return "demand" not in d or np.array_equal(d["demand"], self._body[:self._ef[0]])
+
+    @property
+    def digest(self) -> int:
+        """The entry's checksum (never 0): equal for the same entry read by any worker."""
+        return self._checksum or 1
 
 
 def decode_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
@@ -241,24 +298,20 @@ def decode_worker_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
     e, f = shape.num_experts, shape.num_workers
     # One C++ call, in place: prefix, checksum, header, shape, target, lengths and value ranges
     # (decode_header's checks and messages, and the body's ranges).
-    step, layer, microbatch, seq, c, gain_ms, exposed_ms, primary_only, offset = decode_plan_entry(
+    step, layer, microbatch, seq, c, gain_ms, exposed_ms, primary_only, offset, checksum, address = decode_plan_entry(
         data, e, f, shape.num_layers, _max_slots(e, f, shape.redundant_slots), FORMAT_VERSION)
     # The objects without their constructors (the reader's critical path: the dataclasses'
-    # __init__ cost about 1.3 us of the 5.7 here); the fields are those of Target and Plan.
-    body = data[offset:].view(_I32)
-    ef = e * f
-    counts_end = e + 2 * ef
-    per_pair = body[e:counts_end + ef].reshape(3, e, f)  # assignment, tiles, slot
+    # __init__ cost about 1.3 us); the fields are those of Target and Plan, the arrays made on
+    # first read (DecodedPlan).
     target = _new(Target)
     fields = target.__dict__  # Target is frozen: its fields set as object.__setattr__ would
     fields["step"] = step
     fields["layer"] = layer
     fields["microbatch"] = microbatch
     plan = _new(DecodedPlan)
-    plan.__dict__ = {"target": target, "seq": seq, "demand": body[:e].astype(np.int64), "assignment": per_pair[0],
-                     "tiles": per_pair[1], "slot": per_pair[2], "copies": body[counts_end + ef + f:].reshape(c, 4),
-                     "tile_load": body[counts_end + ef:counts_end + ef + f], "gain_ms": gain_ms,
-                     "exposed_ms": exposed_ms, "primary_only": primary_only}
+    plan.__dict__ = {"target": target, "seq": seq, "gain_ms": gain_ms, "exposed_ms": exposed_ms,
+                     "primary_only": primary_only, "num_copies": c, "_data": data, "_offset": offset, "_ef": (e, f),
+                     "_checksum": checksum, "_address": address}
     return plan
 
 

@@ -35,10 +35,15 @@ std::string s(int64_t v) { return std::to_string(v); }
 std::pair<std::string, std::vector<std::pair<int64_t, int64_t>>> migrator_check(
     int64_t e, int64_t f, int64_t worker, int64_t num_primaries, int64_t k_w, uintptr_t assignment_ptr,
     uintptr_t slot_ptr, uintptr_t demand_ptr, uintptr_t copies_ptr, int64_t num_copies, uintptr_t owner_ptr,
-    uintptr_t primary_flat_ptr, uintptr_t primary_slot_ptr, uintptr_t projected_ptr, int64_t redundant) {
+    uintptr_t primary_flat_ptr, uintptr_t primary_slot_ptr, uintptr_t projected_ptr, int64_t redundant,
+    bool demand_int32) {
   const int32_t* a = reinterpret_cast<const int32_t*>(assignment_ptr);
   const int32_t* sl = reinterpret_cast<const int32_t*>(slot_ptr);
-  const int64_t* demand = reinterpret_cast<const int64_t*>(demand_ptr);
+  // int64[E] (a Plan's demand) or int32[E] (the demand of an encoded plan's body, read in place)
+  auto demand = [demand_ptr, demand_int32](int64_t x) -> int64_t {
+    return demand_int32 ? int64_t(reinterpret_cast<const int32_t*>(demand_ptr)[x])
+                        : reinterpret_cast<const int64_t*>(demand_ptr)[x];
+  };
   const int32_t* copies = reinterpret_cast<const int32_t*>(copies_ptr);
   const int64_t* owner = reinterpret_cast<const int64_t*>(owner_ptr);
   const int64_t* primary_flat = reinterpret_cast<const int64_t*>(primary_flat_ptr);
@@ -49,7 +54,7 @@ std::pair<std::string, std::vector<std::pair<int64_t, int64_t>>> migrator_check(
   for (int64_t x = 0; x < e; ++x) {
     int64_t sum = 0;
     for (int64_t w = 0; w < f; ++w) sum += a[x * f + w];
-    if (sum != demand[x]) return {"assignment: rows do not sum to demand", reads};
+    if (sum != demand(x)) return {"assignment: rows do not sum to demand", reads};
   }
   for (int64_t i = 0; i < e * f; ++i)
     if (a[i] > 0 && sl[i] < 0) return {"assignment: work on a worker without a slot binding", reads};
@@ -70,6 +75,13 @@ std::pair<std::string, std::vector<std::pair<int64_t, int64_t>>> migrator_check(
   }
   for (int64_t ex = 0; ex < e; ++ex) {
     const int64_t slot = sl[ex * f + worker];
+    if (a[ex * f + worker] > 0 && slot < num_primaries && owner[ex] != worker) {
+      // a primary slot holds its own primary only: another expert's pairs there would run on its weights
+      reads.clear();
+      return {"slot: expert " + s(ex) + " on worker " + s(worker) + " bound to primary slot " + s(slot) +
+                  " of another expert",
+              reads};
+    }
     if (!(slot >= num_primaries && a[ex * f + worker] > 0)) continue;
     if (slot >= k_w) {
       reads.clear();
@@ -144,7 +156,7 @@ std::string worker_table(int64_t e, int64_t f, int64_t worker, int64_t num_slots
 void bind_plan_check(nb::module_& m) {
   m.def("migrator_check", &migrator_check, "e"_a, "f"_a, "worker"_a, "num_primaries"_a, "k_w"_a, "assignment"_a,
         "slot"_a, "demand"_a, "copies"_a, "num_copies"_a, "owner"_a, "primary_flat"_a, "primary_slot"_a,
-        "projected"_a, "redundant"_a);
+        "projected"_a, "redundant"_a, "demand_int32"_a = false);
   m.def("worker_table", &worker_table, "e"_a, "f"_a, "worker"_a, "num_slots"_a, "ep"_a, "assignment"_a, "slot"_a,
         "owner"_a, "primary_slot"_a, "table"_a);
 }

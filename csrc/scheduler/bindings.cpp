@@ -468,7 +468,8 @@ struct MsgpackReader {
 
 // plan_codec.decode_worker_plan's checks in one pass over the entry, in place: prefix, checksum,
 // header (msgpack, PlanHeader's 10 fields), shape, target, lengths and the body's value ranges.
-// Returns (step, layer, microbatch, seq, num_copies, gain_ms, exposed_ms, primary_only, body offset).
+// Returns (step, layer, microbatch, seq, num_copies, gain_ms, exposed_ms, primary_only, body offset,
+// the checksum, the address of the entry's first byte).
 nb::tuple decode_plan_entry(const Bytes& data, int64_t e_expected, int64_t f_expected,
                             int64_t num_layers, int64_t k_max, int64_t version) {
   const uint8_t* base = data.data();
@@ -514,7 +515,8 @@ nb::tuple decode_plan_entry(const Bytes& data, int64_t e_expected, int64_t f_exp
                                 std::to_string(layer));
   const size_t offset = kPrefix + head_len;
   check_plan_body(data, offset, e, f, c, k_max);
-  return nb::make_tuple(step, layer, microbatch, seq, c, gain, exposed, primary_only, offset);
+  return nb::make_tuple(step, layer, microbatch, seq, c, gain, exposed, primary_only, offset, sum,
+                        reinterpret_cast<uintptr_t>(base));
 }
 
 // bool[F, R]: redundant slot (w, r) holds an expert e (table_expert[w, r] >= 0) that has pairs on w
@@ -557,7 +559,7 @@ NB_MODULE(_scheduler_core, m) {
         "num_layers"_a, "k_max"_a, "version"_a,
         "Every check of plan_codec.decode_worker_plan on an encoded plan (uint8[n]) in one pass, in "
         "place; returns (step, layer, microbatch, seq, num_copies, gain_ms, exposed_ms, "
-        "primary_only, body_offset). Raises ValueError.");
+        "primary_only, body_offset, checksum, address of data[0]). Raises ValueError.");
   m.def("encode_plan_entry", &encode_plan_entry, "step"_a, "layer"_a, "microbatch"_a, "seq"_a, "gain_ms"_a,
         "exposed_ms"_a, "primary_only"_a, "demand"_a, "assignment"_a, "tiles"_a, "slot"_a, "tile_load"_a,
         "copies"_a, "version"_a);

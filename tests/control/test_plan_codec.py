@@ -152,6 +152,50 @@ def test_worker_decode_views_a_writable_ring_buffer_without_copying(make_plan):
         decode_worker_plan(buffer, SHAPE)
 
 
+def test_worker_decode_makes_each_array_on_first_read_at_the_addresses_it_gives(make_plan):
+    # the decode makes no array of the body; each is a view (demand an int64 copy) made when first
+    # read, then the same object; addresses() are where the body's arrays lie
+    plan = make_plan(SHAPE, np.random.default_rng(6), Target(1, 2, 0), 11)
+    buffer = np.frombuffer(encode_plan(plan), np.uint8).copy()
+    got = decode_worker_plan(buffer, SHAPE)
+    assert not {"demand", "assignment", "tiles", "slot", "copies", "tile_load"} & set(vars(got))
+    assert got.num_copies == len(plan.copies) and got.body_in_place()
+    for name in ("demand", "assignment", "tiles", "slot", "copies", "tile_load"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(plan, name))
+        assert getattr(got, name) is getattr(got, name)
+    assert got.demand.dtype == np.int64 and got.assignment.dtype == np.int32
+    addresses = got.addresses()
+    for name, address in zip(("assignment", "slot", "copies"), addresses[1:]):
+        assert getattr(got, name).__array_interface__["data"][0] == address
+    assert np.frombuffer(buffer, np.int32, count=SHAPE.num_experts, offset=addresses[0] - buffer.ctypes.data).tolist() \
+        == plan.demand.tolist()
+    assert got.body_in_place()  # read, not replaced
+
+
+@pytest.mark.parametrize("name", ["demand", "assignment", "slot", "copies"])
+def test_worker_decode_notices_an_array_set_since(make_plan, name):
+    plan = make_plan(SHAPE, np.random.default_rng(7), Target(1, 2, 0), 12)
+    got = decode_worker_plan(encode_plan(plan), SHAPE)
+    setattr(got, name, getattr(plan, name).copy())  # equal values, another array
+    assert got.body_in_place() == (name == "demand")  # a demand copy is compared by value
+    got.demand = got.demand + 1
+    assert not got.body_in_place()
+
+
+def test_digest_of_a_decoded_plan_is_its_checksum_until_an_array_is_replaced(make_plan):
+    from afore.plan import plan_digest
+
+    rng = np.random.default_rng(8)
+    plan = make_plan(SHAPE, rng, Target(1, 2, 0), 13)
+    data = encode_plan(plan)
+    a, b = decode_worker_plan(data, SHAPE), decode_worker_plan(bytearray(data), SHAPE)
+    assert plan_digest(a) == plan_digest(b) == a.digest == (checksum(data) or 1)
+    other = decode_worker_plan(encode_plan(make_plan(SHAPE, rng, Target(1, 2, 0), 13)), SHAPE)
+    assert plan_digest(other) != plan_digest(a)
+    a.slot = a.slot.copy()  # no longer the entry's body: the digest of what the worker applies
+    assert plan_digest(a) == plan_digest(plan) != b.digest
+
+
 @pytest.mark.parametrize("path", [0, 1])
 def test_checksum_is_stripe64_of_everything_after_the_prefix(path):
     """The C++ checksum equals the Python specification (``stripe64_reference``) on the scalar

@@ -220,3 +220,27 @@ def test_a_copy_deferred_behind_a_reader_runs_unpaced_when_released(weights):
     mig.commit(p1)
     mig.release(p1)
     assert engine.deadlines == [20.0, 0.0] and pool.resident[2] == 3
+
+
+@pytest.mark.parametrize("case", ["valid", "missing_copy", "bad_source", "bad_slot", "demand"])
+def test_a_plan_read_from_the_wire_is_checked_in_place_as_its_arrays_are(weights, case):
+    """A decoded plan is checked on its body where it lies (no arrays made); the same verdicts and
+    reads as the Plan it encodes, and an array set on it since the decode is what is checked."""
+    from afore.scheduler.plan_codec import decode_worker_plan, encode_plan
+
+    _, reference = worker0(weights, SyncCopyEngine())
+    _, mig = worker0(weights, SyncCopyEngine())
+    plan = plan_with_replica(3, 2, copy=True)
+    decoded = decode_worker_plan(encode_plan(plan), SHAPE)
+    if case == "missing_copy":
+        plan.copies = decoded.copies = np.zeros((0, 4), np.int32)
+    elif case == "bad_source":
+        plan.copies = decoded.copies = np.array([[3, 0, 0, 2]], np.int32)
+    elif case == "bad_slot":
+        plan.slot = decoded.slot = np.where(plan.slot == 2, 1, plan.slot).astype(np.int32)
+    elif case == "demand":
+        plan.demand = decoded.demand = plan.demand + 1
+    assert decoded.body_in_place() == (case == "valid")
+    want = reference._check(plan, 2, Target(0, 0, 2))
+    assert mig._check(decoded, 2, Target(0, 0, 2)) == want
+    assert (want[0] is None) == (case == "valid") and (want[1] == [(2, 3)] if case == "valid" else want[1] == [])
