@@ -58,8 +58,8 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
         c = _worker_constants(shape, worker)
         table = c.template.copy()
         _, assignment, slot, _ = plan.addresses()
-        reason = _native_table(e, f, worker, num_slots, c.width, assignment, slot, c.owner.ctypes.data,
-                               c.primary_slot.ctypes.data, table.ctypes.data)
+        reason = _native_table(e, f, worker, num_slots, c.width, assignment, slot, c.owner_ptr, c.primary_slot_ptr,
+                               table.ctypes.data)
         if reason:
             raise ValueError(reason)
         return table
@@ -75,8 +75,8 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
             and s.flags.c_contiguous:
         # the same table, checks and messages in one C++ call (afore._ffn, csrc/ffn/plan_check.cpp)
         table = c.template.copy()
-        reason = _native_table(e, f, worker, num_slots, c.width, a.ctypes.data, s.ctypes.data, c.owner.ctypes.data,
-                               c.primary_slot.ctypes.data, table.ctypes.data)
+        reason = _native_table(e, f, worker, num_slots, c.width, a.ctypes.data, s.ctypes.data, c.owner_ptr,
+                               c.primary_slot_ptr, table.ctypes.data)
         if reason:
             raise ValueError(reason)
         return table
@@ -119,6 +119,8 @@ class _WorkerConstants(NamedTuple):
     primary_slot: np.ndarray  # int64[E]
     width: int                # EP
     template: np.ndarray      # int32[3*EP + 1]: the table of a worker that runs nothing
+    owner_ptr: int            # owner's and primary_slot's addresses (``.ctypes.data`` costs ~1 us a read)
+    primary_slot_ptr: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,9 +129,9 @@ def _worker_constants(shape: ClusterShape, worker: int) -> _WorkerConstants:
     ep = table_width(shape.num_experts)
     template = np.zeros(3 * ep + 1, np.int32)
     template[2 * ep: 3 * ep] = -1
-    out = _WorkerConstants(np.ascontiguousarray(owner, np.int64),
-                           np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + owner, owner == worker,
-                           np.ascontiguousarray(shape.primary_slot, np.int64), ep, template)
+    owner_arr, primary_slot = np.ascontiguousarray(owner, np.int64), np.ascontiguousarray(shape.primary_slot, np.int64)
+    out = _WorkerConstants(owner_arr, np.arange(shape.num_experts, dtype=np.int64) * shape.num_workers + owner,
+                           owner == worker, primary_slot, ep, template, owner_arr.ctypes.data, primary_slot.ctypes.data)
     for arr in (out.owner, out.primary_flat, out.mine_primary, out.primary_slot, out.template):
         arr.flags.writeable = False
     return out

@@ -287,8 +287,8 @@ def decode_worker_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
     demand, tile loads), which the migrator checks against its own state before it applies a
     plan (``Migrator.validate``), and ``decode_plan`` for everyone else.
 
-    Arrays are writable int32 views (``demand`` is an int64 copy, ``replicas`` is computed on
-    first use): of ``data`` itself when it is a writable uint8 array (what
+    Arrays are writable int32 views, each made when first read (``DecodedPlan``; ``demand`` is an
+    int64 copy, ``replicas`` computed): of ``data`` itself when it is a writable uint8 array (what
     ``PlanRing.read`` passes: the buffer the ring's copy went into, so decoding copies nothing),
     else of one copy of it (``bytes`` are read-only, and torch.from_numpy of a read-only array,
     which the FFN side does with ``assignment``, warns and aliases it writable).
