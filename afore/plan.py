@@ -217,8 +217,8 @@ def plan_digest(plan: "Plan") -> int:
     import struct
     import zlib
 
-    digest = getattr(plan, "digest", None)  # a plan read from the wire: its entry's checksum, already computed
-    if digest is not None and type(plan).__name__ == "DecodedPlan" and plan.body_in_place():
+    digest = getattr(plan, "digest", None)  # a plan read from the wire (DecodedPlan): its entry's checksum
+    if digest is not None:
         return digest
     t = plan.target
     crc = zlib.crc32(struct.pack("<4q", plan.seq, t.step, t.layer, t.microbatch))

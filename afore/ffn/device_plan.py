@@ -53,16 +53,10 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
     per-shape constants cached (``_WorkerConstants``).
     """
     e, f = shape.num_experts, shape.num_workers
-    if _native_table is not None and type(plan) is DecodedPlan and plan.body_in_place() and plan._ef == (e, f):
-        # read from the wire for this shape: the C++ table reads the body where it lies
-        c = _worker_constants(shape, worker)
-        table = c.template.copy()
-        _, assignment, slot, _ = plan.addresses()
-        reason = _native_table(e, f, worker, num_slots, c.width, assignment, slot, c.owner_ptr, c.primary_slot_ptr,
-                               table.ctypes.data)
-        if reason:
-            raise ValueError(reason)
-        return table
+    c = _worker_constants(shape, worker)
+    if _native_table is not None and type(plan) is DecodedPlan and plan._ef == (e, f) and plan.body_in_place():
+        _, assignment, slot, _ = plan.addresses()  # read from the wire for this shape: the body where it lies
+        return _native_worker_table(c, e, f, worker, num_slots, assignment, slot)
     a = np.asarray(plan.assignment)
     s = np.asarray(plan.slot)
     for name, arr in (("assignment", a), ("slot", s)):
@@ -70,16 +64,9 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
             raise ValueError(f"plan.{name}: expected shape ({e}, {f}), got {arr.shape}")
         if arr.dtype.kind not in "iu":
             raise ValueError(f"plan.{name}: expected integers, got {arr.dtype}")
-    c = _worker_constants(shape, worker)
     if _native_table is not None and a.dtype == np.int32 and s.dtype == np.int32 and a.flags.c_contiguous \
             and s.flags.c_contiguous:
-        # the same table, checks and messages in one C++ call (afore._ffn, csrc/ffn/plan_check.cpp)
-        table = c.template.copy()
-        reason = _native_table(e, f, worker, num_slots, c.width, a.ctypes.data, s.ctypes.data, c.owner_ptr,
-                               c.primary_slot_ptr, table.ctypes.data)
-        if reason:
-            raise ValueError(reason)
-        return table
+        return _native_worker_table(c, e, f, worker, num_slots, a.ctypes.data, s.ctypes.data)
     non_primary = a.astype(np.int64, order="C")  # a copy (C order: zeroed through a flat view)
     if e and non_primary.min() < 0:
         raise ValueError(f"plan.assignment: expected counts >= 0, got {int(a.min())}")
@@ -109,6 +96,18 @@ def worker_table(plan: Plan, shape: ClusterShape, worker: int, num_slots: int) -
     table[:e] = np.where(works, lo, 0)
     table[ep: ep + e] = np.where(works, hi, 0)
     table[2 * ep: 2 * ep + e] = np.where(works, slot, -1)
+    return table
+
+
+def _native_worker_table(c: "_WorkerConstants", e: int, f: int, worker: int, num_slots: int, assignment: int,
+                         slot: int) -> np.ndarray:
+    """``worker_table``'s table, checks and messages in one C++ call (afore._ffn,
+    csrc/ffn/plan_check.cpp), on int32 row-major [E, F] arrays at these addresses."""
+    table = c.template.copy()
+    reason = _native_table(e, f, worker, num_slots, c.width, assignment, slot, c.owner_ptr, c.primary_slot_ptr,
+                           table.ctypes.data)
+    if reason:
+        raise ValueError(reason)
     return table
 
 

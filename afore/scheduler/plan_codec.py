@@ -200,11 +200,8 @@ class _BodyField:
     def __get__(self, plan, owner=None):
         if plan is None:
             return self
-        value = plan.__dict__[self.name] = self.make(plan)
+        value = plan.__dict__[self.name] = plan._made[self.name] = self.make(plan)
         return value
-
-
-_ADDRESS_INDEX = {"demand": 0, "assignment": 1, "slot": 2, "copies": 3}
 
 
 class DecodedPlan(Plan):
@@ -246,20 +243,22 @@ class DecodedPlan(Plan):
         return base, base + 4 * e, base + 4 * (e + 2 * e * f), base + 4 * (e + 3 * e * f + f)
 
     def body_in_place(self) -> bool:
-        """Whether the arrays are still the body's (none of demand, assignment, slot, copies was
-        set to another array since the decode; reading them keeps them the body's views)."""
+        """Whether the arrays are still the body's: none of assignment, slot, copies was set to another
+        array since the decode (reading them keeps them the body's views), and the demand, a copy
+        (or what was set in its place), holds the body's values."""
         d = self.__dict__
-        for name in ("demand", "assignment", "slot", "copies"):
-            value = d.get(name)
-            if value is not None and not (name == "demand" or value.base is not None and
-                                          value.__array_interface__["data"][0] == self.addresses()[_ADDRESS_INDEX[name]]):
-                return False
+        made = d.get("_made")
+        if made is None:  # built by the dataclass constructor (dataclasses.replace), not decoded: no body
+            return False
+        if any(name in d and d[name] is not made.get(name) for name in ("assignment", "slot", "copies")):
+            return False
         return "demand" not in d or np.array_equal(d["demand"], self._body[:self._ef[0]])
 
     @property
-    def digest(self) -> int:
-        """The entry's checksum (never 0): equal for the same entry read by any worker."""
-        return self._checksum or 1
+    def digest(self) -> int | None:
+        """The entry's checksum (never 0; equal for the same entry read by any worker), or None once
+        the arrays are no longer the body's (``body_in_place``)."""
+        return (self._checksum or 1) if self.body_in_place() else None
 
 
 def decode_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
@@ -311,7 +310,7 @@ def decode_worker_plan(data: bytes | memoryview, shape: ClusterShape) -> Plan:
     plan = _new(DecodedPlan)
     plan.__dict__ = {"target": target, "seq": seq, "gain_ms": gain_ms, "exposed_ms": exposed_ms,
                      "primary_only": primary_only, "num_copies": c, "_data": data, "_offset": offset, "_ef": (e, f),
-                     "_checksum": checksum, "_address": address}
+                     "_checksum": checksum, "_address": address, "_made": {}}
     return plan
 
 
