@@ -254,7 +254,7 @@ class Migrator:
         jobs: list[tuple[int, int, int]] = []
         deferred: list[tuple[int, int, int]] = []
         nbytes = 0
-        if len(plan.copies):
+        if (plan.num_copies if type(plan) is DecodedPlan else len(plan.copies)):  # a decoded plan: no view made for none
             for ex, src, dst, s in plan.copies.tolist():
                 if dst != self.worker:
                     continue
