@@ -10,8 +10,11 @@ What runs (all of it afore's production code, nothing simulated on the measured 
 - this process plays the attention node without vLLM: for every target of a workload (the
   HarMoEny traces in ../shared/traces, else the synthetic ones; the same arrays ``afore bench
   ab`` replays) it builds top-k ids whose per-expert counts are exactly the trace's demand, sends
-  the demand over TCP (``DemandClient``) and the tokens through the real connector
-  (``AttentionConnector``: NCCL between distinct GPUs, gloo otherwise), serial as today's
+  the demand over TCP (``DemandClient``) and the tokens through the real data plane
+  (``--transport shm``, the default: the node's shm segment, the driver attached as its
+  attention end, ``afore.transport.shm.ShmAttentionEnd``, what a vLLM attention worker of
+  ``afore serve`` on one node uses; ``--transport torch``: the split roles' connector,
+  ``AttentionConnector``, NCCL between distinct GPUs, gloo otherwise), serial as today's
   runtime is: a layer's M microbatches are posted, then all M replies awaited; the attention
   compute is a stated constant (``--attention-ms``, a sleep) between layer calls;
 - every policy runs on the same targets in the same FFN processes (switched through the FFN
@@ -33,8 +36,8 @@ stage costs of this run's own traces (``ab_runtime.stages_from_traces``, the CPU
 calibration; written to ``<name>_stages.json``), (c) the same from static's window alone (eplb
 and afore predicted from it), (f) with ``--stage-calibration`` an earlier run's file.
 
-On one GPU the F workers are separate processes sharing it (``--colocate``, gloo staged
-through the host), stated in the report.
+On one GPU the F workers are separate processes sharing it (``--colocate``; with ``--transport
+torch`` gloo staged through the host), stated in the report.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+AB_TRANSPORTS = ("shm", "torch")
 GPU_MODELS = {  # name -> (hidden, expert intermediate, experts, top_k)
     "GLM-4.5-Air": (4096, 1408, 128, 8),
     "Qwen3-30B-A3B": (2048, 768, 128, 8),
@@ -65,6 +69,11 @@ def add_arguments(group) -> None:
     group.add_argument("--ffn-workers", type=int, default=2, help="gpu engine: FFN worker processes (F)")
     group.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="gpu engine: where the FFN workers run")
     group.add_argument("--checkpoint-dir", default=None, help="gpu engine: where to write the checkpoint (default ~/.cache/afore)")
+    group.add_argument("--transport", default="shm", choices=AB_TRANSPORTS,
+                       help="gpu engine: the data plane between the driver and the FFN pool: shm (the one-node runtime's, "
+                            "afore.transport.shm: the driver attaches as the attention end of the FFN node's segment; "
+                            "default) or torch (the split roles' torch.distributed connector: NCCL on distinct GPUs, gloo "
+                            "staged through the host otherwise)")
 
 
 # ------------------------------------------------------------------ checkpoint
@@ -129,9 +138,11 @@ def ids_for_demand(demand: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
 
 def start_ffn_node(model: str, policy: str, num_ffn: int, device: str, ports: dict, token: str, log_path: Path,
                    copy_budget: int, redundant_slots: int, microbatches: int, dtype: str, trace: Path | None = None,
-                   copy_rate_gbps: float | None = None) -> subprocess.Popen:
+                   copy_rate_gbps: float | None = None, transport: str = "torch", max_tokens: int = 0) -> subprocess.Popen:
     """``afore serve --role ffn`` in its own process group; ``trace``: AFORE_STAGE_TRACE of its
-    processes (PATH.ffn<rank>.csv, PATH.scheduler.csv)."""
+    processes (PATH.ffn<rank>.csv, PATH.scheduler.csv). ``transport`` (AB_TRANSPORTS): shm makes
+    the node's shm segment (``max_tokens`` tokens per target) for a driver on this node to attach
+    to; torch the split roles' torch.distributed transport."""
     from afore.config import DEFAULT_COPY_RATE_GBPS
 
     rate = DEFAULT_COPY_RATE_GBPS if copy_rate_gbps is None else copy_rate_gbps
@@ -140,7 +151,11 @@ def start_ffn_node(model: str, policy: str, num_ffn: int, device: str, ports: di
            "--microbatches", str(microbatches),
            "--store-port", str(ports["store"]), "--demand-port", str(ports["demand"]), "--admin-port", str(ports["admin"]),
            "--copy-budget", str(copy_budget), "--redundant-slots", str(redundant_slots), "--copy-rate-gbps", f"{rate:g}"]
-    if device == "cpu" or _gpus() < num_ffn + 1:
+    if transport == "shm":
+        cmd += ["--transport", "shm", "--max-num-batched-tokens", str(max_tokens)]
+        if device == "cuda" and _gpus() < num_ffn:
+            cmd += ["--colocate"]
+    elif device == "cpu" or _gpus() < num_ffn + 1:
         cmd += ["--colocate", "--transport", "torch-gloo"]
     log = open(log_path, "ab")
     log.write(f"\n$ {' '.join(cmd)}\n".encode())
@@ -149,6 +164,47 @@ def start_ffn_node(model: str, policy: str, num_ffn: int, device: str, ports: di
     if trace is not None:
         env["AFORE_STAGE_TRACE"] = str(trace)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def attention_device(transport: str, device: str, num_ffn: int) -> str:
+    """Where the driver (the attention end) keeps its tensors: the host on CPU; with shm a GPU of its
+    own after the FFN workers' when there is one, else the first (shared); with torch NCCL needs a
+    GPU of its own, else gloo staged through the host."""
+    if device == "cpu":
+        return "cpu"
+    gpus = _gpus()
+    if transport == "shm":
+        return f"cuda:{num_ffn}" if gpus > num_ffn else "cuda:0"
+    return f"cuda:{num_ffn}" if gpus >= num_ffn + 1 else "cpu"
+
+
+def layout_note(transport: str, device: str, num_ffn: int, attn_device: str) -> str:
+    """The report's one line on where the processes ran and how tokens travelled."""
+    gpus = _gpus() if device == "cuda" else 0
+    where = ("sharing one device" if device == "cpu" or gpus < num_ffn else "on distinct GPUs")
+    if transport == "shm":
+        return (f"{num_ffn} FFN worker processes {where}, the driver's tensors on {attn_device}; shm transport "
+                "(afore.transport.shm, the one-node runtime's: pinned host slots, sparse rows, C++ waits)")
+    how = "NCCL" if attn_device.startswith("cuda") else "gloo staged through the host"
+    return f"{num_ffn} FFN worker processes {where} ({how})"
+
+
+def attach_shm_driver(admin: str, node: subprocess.Popen, device: str, timeout_s: float):
+    """The driver's ShmAttentionEnd (rank 0) on the FFN node's segment, by the name and layout that
+    the node's /afore/status gives once its workers are up (``afore serve --role ffn --transport shm``)."""
+    import urllib.request
+
+    from afore.bench.ab_runtime import wait_admin
+    from afore.transport.shm import ShmAttentionEnd, ShmLayout
+
+    deadline = time.monotonic() + timeout_s
+    wait_admin(admin, timeout_s, node)
+    with urllib.request.urlopen(f"{admin}/afore/status", timeout=10) as resp:
+        plane = json.loads(resp.read()).get("data_plane") or {}
+    if not plane.get("segment") or not plane.get("layout"):
+        raise RuntimeError(f"{admin}/afore/status: expected data_plane.segment and .layout (shm), got {plane}")
+    return ShmAttentionEnd(plane["segment"], ShmLayout(**plane["layout"]), 0, device,
+                           timeout_s=max(60.0, deadline - time.monotonic()))
 
 
 def _gpus() -> int:
@@ -279,21 +335,25 @@ def run_gpu(args) -> int:
     ports = {"store": free_port(), "demand": free_port(), "admin": free_port()}
     token = os.urandom(8).hex()
     budget = args.copy_budget if args.copy_budget is not None else args.ffn_workers
+    tokens_per_target = int(counts[0, 0, 0].sum()) // top_k
     node = start_ffn_node(model, policies[0], args.ffn_workers, args.device, ports, token, log_path, budget, args.redundant_slots,
-                          counts.shape[2], dtype, trace=trace, copy_rate_gbps=DEFAULT_COPY_RATE_GBPS)
+                          counts.shape[2], dtype, trace=trace, copy_rate_gbps=DEFAULT_COPY_RATE_GBPS,
+                          transport=args.transport, max_tokens=tokens_per_target)
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     results, conn, client, attention_by_policy, windows = {}, None, None, {}, {}
     attention_trace = CsvTrace(f"{trace}.0.csv", COLUMNS)
     try:
-        wait_for_ffn("127.0.0.1", ports["store"], args.ffn_workers, 900.0)
-        colocated = args.device == "cpu" or _gpus() < args.ffn_workers + 1
-        backend = "gloo" if colocated else "nccl"
-        attn_device = "cpu" if colocated else f"cuda:{args.ffn_workers}"
-        tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        cfg = TransportConfig("127.0.0.1", ports["store"], 1, args.ffn_workers, hidden, top_k, tdtype, backend,
-                              timeout_s=300.0, store_on_rank0=False)
-        conn = AttentionConnector(cfg, 0, attn_device)
         admin = f"http://127.0.0.1:{ports['admin']}"
+        tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        attn_device = attention_device(args.transport, args.device, args.ffn_workers)
+        if args.transport == "shm":
+            conn = attach_shm_driver(admin, node, attn_device, 900.0)
+        else:
+            wait_for_ffn("127.0.0.1", ports["store"], args.ffn_workers, 900.0)
+            backend = "nccl" if attn_device.startswith("cuda") else "gloo"
+            cfg = TransportConfig("127.0.0.1", ports["store"], 1, args.ffn_workers, hidden, top_k, tdtype, backend,
+                                  timeout_s=300.0, store_on_rank0=False)
+            conn = AttentionConnector(cfg, 0, attn_device)
         from afore.bench.serve import set_policy
 
         attention_ms = args.attention_ms if args.attention_ms is not None else default_attention_ms(args, counts)
@@ -341,10 +401,8 @@ def run_gpu(args) -> int:
         calib_file = out_dir / f"{name}_stages.json"
         calib_file.write_text(json.dumps(stage_calibration_doc(calib, args, started, data_model(args, model, dtype)),
                                          indent=1, default=float) + "\n")
-    layout = f"{args.ffn_workers} FFN worker processes" + (" sharing one device (gloo staged through the host)"
-                                                           if args.device == "cpu" or _gpus() < args.ffn_workers + 1 else
-                                                           " on distinct GPUs (NCCL)")
-    data = {"engine": "gpu", "date_utc": started, "simulated_side": reports_note, "device": args.device, "gpus": _gpus(),
+    layout = layout_note(args.transport, args.device, args.ffn_workers, attn_device)
+    data = {"engine": "gpu", "date_utc": started, "transport": args.transport, "simulated_side": reports_note, "device": args.device, "gpus": _gpus(),
             "hardware": {"machine": platform.machine(), "cpus": os.cpu_count(),
                          "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
             "layout": layout, "pipeline_mode": "serial",

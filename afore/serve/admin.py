@@ -60,6 +60,8 @@ class DataPlaneStatus(pydantic.BaseModel):
     exact: bool = pydantic.Field(description="FFN replies a row per token-expert pair, summed as plain vLLM sums them (--exact)")
     exchange: str | None = pydantic.Field(None, description="shm: stream (capturable, on the CUDA stream) or host")
     microbatches: int
+    segment: str | None = pydantic.Field(None, description="shm: the segment's name in /dev/shm (attention ends attach by it)")
+    layout: dict | None = pydantic.Field(None, description="shm: the segment's layout (afore.transport.shm.ShmLayout fields)")
 
 
 class Status(pydantic.BaseModel):

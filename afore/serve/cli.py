@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="A2F/F2A path: shm (shared buffers on one node, sparse; CUDA tensors staged through the host), "
                              "torch-nccl (one GPU per worker, across nodes), torch-gloo (CPU hosts, or CUDA tensors staged "
                              "through the host); auto = shm on one node where the workers share the device (CPU, or cuda "
-                             "with --colocate), else NCCL on CUDA, gloo on CPU across nodes")
+                             "with --colocate), else NCCL on CUDA, gloo on CPU across nodes. --role ffn --transport shm: "
+                             "attention ends of this node attach to the segment that /afore/status names (data_plane)")
     parser.add_argument("--exact", dest="exact", action="store_const", const=True, default=None,
                         help="bitwise plain vLLM's MoE numerics: FFN workers run vLLM's fused-MoE kernels on their pairs and "
                              "return a row per token-expert pair, summed by the attention worker as vLLM sums them "

@@ -165,8 +165,9 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {self.device!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.transport == "shm" and self.role != "all":
-            raise ValueError(f"transport: shm needs every worker on one node (--role all), got --role {self.role}")
+        if self.transport == "shm" and self.role == "attention":
+            raise ValueError("transport: shm needs the FFN workers on this node (--role all, or --role ffn with the "
+                             "attention ends attached on the FFN node), got --role attention")
         if self.max_num_batched_tokens < 0:
             raise ValueError(f"max_num_batched_tokens: expected >= 0 (0 = max_model_len), got {self.max_num_batched_tokens}")
         if self.transport == "torch-nccl" and self.device != "cuda":
@@ -196,7 +197,7 @@ class ServeOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"store_port: expected in [0, 65535], got {self.store_port}")
         if not 0 < self.demand_port < 65536:
             raise ValueError(f"demand_port: expected in [1, 65535], got {self.demand_port}")
-        if self.role == "ffn" and self.host in ("127.0.0.1", "localhost", "::1"):
+        if self.role == "ffn" and self.host in ("127.0.0.1", "localhost", "::1") and self.transport != "shm":
             raise ValueError(f"host: the FFN node must listen where the attention node can reach it, got the loopback "
                              f"address {self.host!r}; pass --host 0.0.0.0 (or this node's address)")
         if self.role != "all":
@@ -741,14 +742,16 @@ class Launcher:
             "dtype": self.dtype,
             "data_plane": {"transport": "shm" if uses_shm(self.opts) else self.backend, "exact": self.opts.exact,
                            "exchange": exchange_mode(self.opts) if uses_shm(self.opts) else None,
-                           "microbatches": self.opts.microbatches},
+                           "microbatches": self.opts.microbatches, **self._segment_status()},
             "processes": {c.name: {"pid": c.proc.pid, "alive": child_running(c.proc)} for c in self.children()},
         }
         if self.opts.role != "attention":
             out["planner"] = self.opts.planner
             out["scheduler"] = (self.supervisor.scheduler.report(time.monotonic()) if self.opts.planner == "scheduler"
                                 else {"state": self.opts.planner})
-        if self.store is not None:
+        if self.data_plane is not None:  # shm: a worker attaches once loaded, its pid in the segment
+            out["ffn_ready"] = sum(int(pid) != 0 for pid in self.data_plane.pids[self.opts.attn_workers:])
+        elif self.store is not None:
             from afore.transport.connector import ffn_ready_key
 
             out["ffn_ready"] = sum(bool(self.store.check([ffn_ready_key(w)])) for w in range(self.opts.ffn_workers))
@@ -932,6 +935,15 @@ class Launcher:
     def depth(self) -> int:
         """Targets in flight per attention worker: every microbatch of a layer."""
         return max(2, self.opts.microbatches)
+
+    def _segment_status(self) -> dict:
+        """The shm segment's name and layout (``afore.transport.shm.ShmLayout``'s fields) once made:
+        with ``--role ffn --transport shm`` a process on this node attaches its attention ends by
+        them (``ShmAttentionEnd(segment, ShmLayout(**layout), rank)``, as ``afore bench ab
+        --engine gpu`` does); {} without the shm transport."""
+        if self.data_plane is None:
+            return {}
+        return {"segment": self.data_name, "layout": msgspec.to_builtins(self.data_plane.layout)}
 
     def create_data_plane(self) -> None:
         """The shm transport's segment, before any worker attaches (removed at shutdown). On CUDA

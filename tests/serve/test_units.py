@@ -24,7 +24,7 @@ from afore.migrator.slot_pool import SlotPool
 from afore.models.checkpoint import load_routed_experts, read_model_spec
 from afore.plan import Target, check_plan
 from afore.scheduler.policies import Observation, make_policy
-from afore.serve.launcher import ServeOptions, check_shape, read_serving_spec, serving_dtype
+from afore.serve.launcher import ServeOptions, check_shape, read_serving_spec, serving_dtype, uses_shm
 
 
 def _role(**kw) -> AttentionRoleConfig:
@@ -242,6 +242,16 @@ def test_metrics_port_is_gone_with_a_pointer_to_the_endpoint():
         options_from_args(parser.parse_args(["--metrics-port", "9400"]))
     with pytest.raises(msgspec.ValidationError, match="metrics_port"):
         msgspec.convert({"metrics_port": 9400}, ServeOptions)  # not a field any more
+
+
+def test_shm_transport_serves_an_ffn_node_for_attention_ends_on_it_but_never_a_remote_attention_node():
+    # the FFN half with the shm segment: attention ends of this node attach to it, so loopback is fine
+    opts = ServeOptions(role="ffn", transport="shm", store_port=29600)
+    assert uses_shm(opts) and opts.host == "127.0.0.1"
+    with pytest.raises(ValueError, match="transport: shm needs the FFN workers on this node .* got --role attention"):
+        ServeOptions(role="attention", ffn_host="h", store_port=29600, transport="shm")
+    with pytest.raises(ValueError, match="loopback"):  # the torch transport's FFN node must be reachable
+        ServeOptions(role="ffn", transport="torch-gloo", store_port=29600)
 
 
 def test_split_roles_are_checked_before_anything_starts():
