@@ -108,6 +108,28 @@ class FFNLayer:
                 elif self.host_feeding:
                     self._capture_fed(bucket)
 
+    def tune_large_steps(self, max_tokens: int) -> list[int]:
+        """Time the launched (beyond the graph buckets) step's kernel configs now, for every
+        power-of-two size up to ``max_tokens`` tokens, as ``capture_graphs`` does for the buckets:
+        the first step of a new size would otherwise compile and time every candidate on the
+        serving path (2.4-2.7 s of one target on an H100 when a re-placement first gave a worker
+        512 of 1024 tokens, bench/results/ab_gpu_h100_s25_*). The configs are kept per process
+        and weight shape, so the layers after the first find them. Returns the sizes tuned
+        ([] without graphs or tuning, or when every size fits a bucket). Synchronises."""
+        if self.config is not None or self.graphs is None or not self.graphs.tune or max_tokens <= self.graphs.max_tokens:
+            return []
+        shape = self.pool.shape
+        table = self.plan_table.stage(primary_only_plan(shape, np.zeros(shape.num_experts, np.int64), Target(0, 0, 0), 0))
+        sizes = []
+        size = 1 << self.graphs.max_tokens.bit_length()  # the smallest power of two above the largest bucket
+        while True:
+            self.plan_table.upload(table, min(size, max_tokens) * shape.top_k)
+            self._large_step_config(size)
+            sizes.append(size)
+            if size >= max_tokens:
+                return sizes
+            size *= 2
+
     def _capture_fed(self, bucket: int) -> bool:
         try:
             self.graphs.capture_fed(bucket)

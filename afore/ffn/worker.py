@@ -236,6 +236,8 @@ class FFNWorker:
         self.layers = {layer: FFNLayer(pool) for layer, pool in self.pools.items()}
         for layer in self.layers.values():  # shm on a GPU: the host-fed graphs (forward_host_routed)
             layer.capture_graphs(host_fed=bool(cfg.shm_segment) and not cfg.exact)
+            if cfg.shm_segment:  # every size a target can have: A senders of up to max_tokens each
+                layer.tune_large_steps(cfg.max_tokens * cfg.num_attention)
         if cfg.exact and self.device.type == "cuda" and self.pools:
             self._warm_exact()
         self.connector = self._connect()

@@ -344,7 +344,7 @@ def check_shape(opts: ServeOptions, spec: ModelSpec, devices: int) -> None:
     if opts.device == "cuda" and needed > devices and not opts.colocate:
         raise ValueError(f"{name}: {needed} workers need {needed} GPUs, "
                          f"{devices} available; pass --colocate to share GPUs")
-    if transport_backend(opts, devices) == "nccl" and needed > devices:
+    if not uses_shm(opts) and transport_backend(opts, devices) == "nccl" and needed > devices:
         raise ValueError(f"transport: NCCL cannot hold several workers on one GPU ({needed} workers, {devices} GPUs); "
                          "pass --transport torch-gloo")
 

@@ -37,7 +37,7 @@ BUDGET=${AB_BUDGET:-560}
 for model in ${AB_MODELS:-Qwen3-30B-A3B GLM-4.5-Air}; do
  for transport in ${AB_TRANSPORTS:-shm}; do
   left=$(( BUDGET - ($(date +%s) - T0) ))
-  name="ab_gpu_${model}_${transport}${AB_SUFFIX:-}"
+  name="ab_gpu_${model//./-}_${transport}${AB_SUFFIX:-}"  # report names: letters, digits, - and _
   if [ "$left" -lt 60 ]; then
     echo "skipped $name: ${left} s left of AB_BUDGET=${BUDGET} s (optional; run it alone with AB_MODELS=$model)" | tee -a "$OUT/ab_gpu.log"
     continue

@@ -174,3 +174,31 @@ def test_host_routed_step_sums_to_the_dense_layer(dtype):
         ref = dense_moe(x.double(), ids, weights, w13.double().cpu(), w2.double().cpu())
         err = float((total - ref).norm() / ref.norm())
         assert err <= (1e-5 if dtype == torch.float32 else 2e-2), (n, err)
+
+
+def test_start_up_tunes_every_launched_step_size_so_no_target_times_kernels():
+    """``tune_large_steps`` (called by the FFN worker at start-up up to the tokens a target can
+    hold) times the launched step's configs for each power of two above the graph buckets; a
+    later host-routed step of any such size then finds its config and times nothing."""
+    from afore.ffn import graphs as graphs_mod
+
+    rng = np.random.default_rng(3)
+    w13, w2 = _weights(3, torch.bfloat16)
+    table = random_slot_table(SHAPE, rng, 1.0)
+    pool = _pools(torch.bfloat16, table, w13, w2)[0]
+    layer = FFNLayer(pool, graph_buckets=(8, 16), tune=True)
+    layer.capture_graphs()               # start-up, as the worker does: the buckets' graphs
+    layer.capture_graphs(host_fed=True)
+    before = dict(graphs_mod._CONFIGS)
+    assert layer.tune_large_steps(16) == []  # every size fits a bucket
+    assert layer.tune_large_steps(100) == [32, 64, 128]
+    tuned = dict(graphs_mod._CONFIGS)
+    assert len(set(tuned) - set(before)) == 3
+    for n in (17, 40, 100):
+        ids, weights = random_routing(n, SHAPE, rng, skew=1.5)
+        demand = np.bincount(ids.reshape(-1).numpy(), minlength=16)
+        plan, _ = random_plan(SHAPE, demand, table, rng, Target(0, 0, 0), 1, new_copies=0)
+        x = torch.randn(n, H).to(torch.bfloat16)
+        tokens, rows = layer.forward_host_routed(lambda t, out: out.copy_(x[t]), ids.to(torch.int32), weights, plan)
+        assert rows.shape == (tokens.numel(), H)
+    assert graphs_mod._CONFIGS == tuned  # nothing was timed on the serving path

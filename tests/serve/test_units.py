@@ -252,6 +252,13 @@ def test_shm_transport_serves_an_ffn_node_for_attention_ends_on_it_but_never_a_r
         ServeOptions(role="attention", ffn_host="h", store_port=29600, transport="shm")
     with pytest.raises(ValueError, match="loopback"):  # the torch transport's FFN node must be reachable
         ServeOptions(role="ffn", transport="torch-gloo", store_port=29600)
+    # several FFN workers on one GPU: fine over shm (no NCCL communicator), refused over NCCL
+    info, _ = read_serving_spec(tiny("qwen3_moe"))
+    check_shape(ServeOptions(role="ffn", transport="shm", store_port=29600, ffn_workers=2, colocate=True, device="cuda"),
+                info, devices=1)
+    with pytest.raises(ValueError, match="NCCL cannot hold several workers on one GPU"):
+        check_shape(ServeOptions(role="ffn", host="0.0.0.0", transport="torch-nccl", store_port=29600, ffn_workers=2,
+                                 colocate=True, device="cuda"), info, devices=1)
 
 
 def test_split_roles_are_checked_before_anything_starts():
