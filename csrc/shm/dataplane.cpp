@@ -163,6 +163,29 @@ class DataPlane {
     publish(head, req_ready_ + int64_t(a) * D_ + d, counter, {seq, step, layer, mb, n});
   }
 
+  // Wait for FFN worker f's reply to message `counter` of attention worker `a` and check its header;
+  // returns its rows (the reply slot's first rows and token indices hold them; they are not checked
+  // against the target's tokens here: the caller that reads them does so, as ``combine`` does).
+  int64_t wait_reply(int a, int f, int64_t counter, int64_t seq, int64_t step, int64_t layer, int64_t mb, double deadline,
+                     double poll_s, double spin_s) {
+    check_rank(a, A_, "attention rank");
+    check_rank(f, F_, "FFN rank");
+    const int64_t index = (int64_t(f) * A_ + a) * D_ + int(counter % D_);
+    wait_word(rep_ready_ + index, ready_word(counter), deadline, poll_s, spin_s, A_ + f,
+              [&] { return "reply to seq " + std::to_string(seq) + " from FFN worker " + std::to_string(f); });
+    const int64_t* head = rep_head_ + index * kHead;
+    if (!(load_relaxed(head[0]) == counter && load_relaxed(head[6]) == counter) || load_relaxed(head[1]) != seq ||
+        load_relaxed(head[2]) != step || load_relaxed(head[3]) != layer || load_relaxed(head[4]) != mb)
+      throw std::invalid_argument("reply from FFN worker " + std::to_string(f) + ": expected seq " + std::to_string(seq) +
+                                  " " + target_text(step, layer, mb) + " (message " + std::to_string(counter) +
+                                  "), got header " + head_text(head) + " (torn or stale slot)");
+    const int64_t rows = load_relaxed(head[5]);
+    if (rows < 0 || rows > reply_rows_)
+      throw std::invalid_argument("reply from FFN worker " + std::to_string(f) + ": rows: expected in [0, " +
+                                  std::to_string(reply_rows_) + "], got " + std::to_string(rows));
+    return rows;
+  }
+
   // Wait for the F replies to message `counter` of attention worker `a` and combine them into
   // `out`: fp32 [n, H] partial sums (each reply added in FFN-rank order, as index_add_), or in
   // exact layouts the layout dtype [n * k, H], every pair's row at its place (others zero).
@@ -180,18 +203,7 @@ class DataPlane {
     int64_t total = 0;
     for (int f = 0; f < F_; ++f) {
       const int64_t index = (int64_t(f) * A_ + a) * D_ + d;
-      wait_word(rep_ready_ + index, ready_word(counter), deadline, poll_s, spin_s, A_ + f,
-                [&] { return "reply to seq " + std::to_string(seq) + " from FFN worker " + std::to_string(f); });
-      const int64_t* head = rep_head_ + index * kHead;
-      if (!(load_relaxed(head[0]) == counter && load_relaxed(head[6]) == counter) || load_relaxed(head[1]) != seq ||
-          load_relaxed(head[2]) != step || load_relaxed(head[3]) != layer || load_relaxed(head[4]) != mb)
-        throw std::invalid_argument("reply from FFN worker " + std::to_string(f) + ": expected seq " + std::to_string(seq) +
-                                    " " + target_text(step, layer, mb) + " (message " + std::to_string(counter) +
-                                    "), got header " + head_text(head) + " (torn or stale slot)");
-      const int64_t rows = load_relaxed(head[5]);
-      if (rows < 0 || rows > reply_rows_)
-        throw std::invalid_argument("reply from FFN worker " + std::to_string(f) + ": rows: expected in [0, " +
-                                    std::to_string(reply_rows_) + "], got " + std::to_string(rows));
+      const int64_t rows = wait_reply(a, f, counter, seq, step, layer, mb, deadline, poll_s, spin_s);
       const uint8_t* data = rep_data_ + size_t(index) * rep_slot_;
       const int32_t* token = reinterpret_cast<const int32_t*>(data + size_t(reply_rows_) * H_ * es_);
       for (int64_t r = 0; r < rows; ++r) {
@@ -687,6 +699,7 @@ void bind_dataplane(nb::module_& m) {
            "num_attention"_a, "num_ffn"_a, "hidden"_a, "top_k"_a, "max_tokens"_a, "depth"_a, "dtype"_a, "exact"_a, "offsets"_a)
       .def("send_request", &DataPlane::send_request, G())
       .def("combine", &DataPlane::combine, G())
+      .def("wait_reply", &DataPlane::wait_reply, G())
       .def("requests_ready", &DataPlane::requests_ready)
       .def("wait_requests", &DataPlane::wait_requests, G())
       .def("read_request", &DataPlane::read_request)

@@ -395,3 +395,56 @@ def test_an_extension_built_from_other_sources_is_not_used():
     from afore.transport import shm
 
     assert shm._DataPlane is not None  # this build matches: the native plane serves
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gpu_end_sums_large_targets_on_the_device_to_the_host_sums_bits(dtype):
+    """A CUDA attention end adds the replies of a target of >= device_combine_min_tokens tokens on
+    the device (index_add_ in FFN-rank order): the same bits as the host sum of the C++ path, for
+    targets on either side of the threshold, back to back in the depth's slots (each send waits
+    for the copies still reading the reply slot it reuses); a reply naming a token outside the
+    target is refused before any device work."""
+    layout = ShmLayout(num_attention=1, num_ffn=3, hidden=H, top_k=K, max_tokens=96, depth=2, dtype=dtype)
+    pairs = {}
+    for tag, threshold in (("dev", 1), ("host", 10 ** 9)):
+        seg = ShmSegment.create(_name(f"gpu{tag}{dtype}"), layout)
+        for f in range(layout.num_ffn):
+            seg.pids[1 + f] = os.getpid()
+        att = ShmAttentionEnd(seg.name, layout, 0, device="cuda", timeout_s=5)
+        att.device_combine_min_tokens = threshold
+        pairs[tag] = (seg, att, [ShmFFNEnd(seg.name, layout, r, timeout_s=5) for r in range(layout.num_ffn)])
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for t, n in enumerate((96, 1, 70, 64, 0, 95)):
+            x = (torch.randn(n, H, generator=gen) * 3).to(DTYPES[dtype])
+            if n:
+                x[0, 0] = -0.0
+            ids = torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int32)
+            w = torch.rand(n, K, generator=gen)
+            outs = {}
+            for tag, (seg, att, ffns) in pairs.items():
+                sent = att.send(Target(t, 0, 0), t, x.cuda(), ids.cuda(), w.cuda())
+                for r, ffn in enumerate(ffns):
+                    mb = ffn.recv(5.0)
+                    ffn.send(mb, _reply(mb, r, layout))
+                outs[tag] = att.recv(sent)
+            dev, host = outs["dev"], outs["host"]
+            assert dev.device.type == host.device.type == "cuda" and dev.dtype == host.dtype == DTYPES[dtype]
+            assert torch.equal(_bits(dev.cpu()), _bits(host.cpu())), n
+        seg, att, ffns = pairs["dev"]
+        sent = att.send(Target(9, 0, 0), 9, torch.ones(4, H, device="cuda"), torch.zeros(4, K, dtype=torch.int32, device="cuda"),
+                        torch.ones(4, K, device="cuda"))
+        for r, ffn in enumerate(ffns):  # worker 0 replies token 2, the others nothing
+            mb = ffn.recv(5.0)
+            tokens = torch.tensor([2]) if r == 0 else torch.zeros(0, dtype=torch.int64)
+            ffn.send(mb, ReplyRows(tokens, torch.ones(tokens.numel(), H)))
+        seg.rep_views(0, 0, sent.counter % layout.depth)[1][0] = 7  # FFN worker 0's reply now names token 7 of a 4-token target
+        with pytest.raises(ValueError, match=r"token index 7 out of range \[0, 4\)"):
+            att.recv(sent)
+    finally:
+        for seg, att, ffns in pairs.values():
+            for e in [att, *ffns]:
+                e.close()
+            seg.close()
