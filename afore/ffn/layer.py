@@ -99,7 +99,7 @@ class FFNLayer:
         if self.graphs is None:
             return
         shape = self.pool.shape
-        table = self.plan_table.stage(primary_only_plan(shape, np.zeros(shape.num_experts, np.int64), Target(0, 0, 0), 0))
+        table = self._primary_table()
         for bucket in buckets or self.graphs.buckets:
             if bucket not in (self.graphs.fed_graphs if host_fed else self.graphs.graphs):
                 self.plan_table.upload(table, bucket * shape.top_k)
@@ -119,7 +119,7 @@ class FFNLayer:
         if self.config is not None or self.graphs is None or not self.graphs.tune or max_tokens <= self.graphs.max_tokens:
             return []
         shape = self.pool.shape
-        table = self.plan_table.stage(primary_only_plan(shape, np.zeros(shape.num_experts, np.int64), Target(0, 0, 0), 0))
+        table = self._primary_table()
         sizes = []
         size = 1 << self.graphs.max_tokens.bit_length()  # the smallest power of two above the largest bucket
         while True:
@@ -129,6 +129,11 @@ class FFNLayer:
             if size >= max_tokens:
                 return sizes
             size *= 2
+
+    def _primary_table(self) -> np.ndarray:
+        """The staged plan table of a primary-only plan: what start-up captures and tunes under."""
+        shape = self.pool.shape
+        return self.plan_table.stage(primary_only_plan(shape, np.zeros(shape.num_experts, np.int64), Target(0, 0, 0), 0))
 
     def _capture_fed(self, bucket: int) -> bool:
         try:
