@@ -16,12 +16,17 @@ its slot pool and its device table.
 
 Host-fed steps (the shm transport's GPU workers, ``FFNLayer.forward_host_routed``): the
 inputs arrive in host memory. Each bucket has one packed input buffer on the device, [local plan
-table | ids | weights | rows], mirrored in pinned host memory (``FedBucket``); its graph
-(``StepGraphs.capture_fed``) reads the table, ids, weights and rows from views of it. A host-fed
+table | ids | weights | row index | rows], mirrored in pinned host memory (``FedBucket``); its
+graph (``StepGraphs.capture_fed``) gathers the step's rows on the device (``rows[index]``, the
+kept tokens) and runs the step on them with the table, ids and weights of the buffer. A host-fed
 step is the host writing the mirror (``afore._ffn.route_local``: eq. 11, the kept tokens' ids and
-weights and the local table; the transport's gather: the rows), one copy of the mirror's prefix
-that holds them, one replay, one copy of the output rows back and one wait: four CUDA calls, where
-copying each input and uploading the table one by one took ten.
+weights and the local table), the rows reaching the buffer's row block, one replay and the output
+rows: four CUDA calls, where copying each input and uploading the table one by one took ten. The
+rows reach it one of two ways: the transport's copies straight from its page-locked slots into the
+device row block (``rows_on_device``: every row of the target, index = the kept tokens; no host
+gather, the DMA engine moves them), or the host gathering the kept rows into the mirror (index =
+0..U-1), copied with the mirror's prefix. The output stays on the device when the transport copies
+it into its own slots (``device_out``); else it comes back into pinned memory, waited for once.
 """
 
 from __future__ import annotations
@@ -70,9 +75,12 @@ def _align(n: int) -> int:
 class FedBucket:
     """The packed input buffer of a ``bucket``-token host-fed step, on the device (``device``) and
     in pinned host memory (``host``): int32 table [table_len] | int32 ids [B, k] | fp32 weights
-    [B, k] | rows [B, H] (dtype), each block ``_FED_ALIGN``-aligned; ``dev_*``/``host_*`` are the
-    views of each. ``out_host`` [B, H] (pinned) receives the output rows; ``event`` is what the
-    host waits on. ``prefix(tokens)``: the bytes that hold a ``tokens``-token step's inputs."""
+    [B, k] | int64 row index [B] | rows [B, H] (dtype), each block ``_FED_ALIGN``-aligned;
+    ``dev_*``/``host_*`` are the views of each. The graph runs the step on ``dev_gathered`` [B, H]
+    = ``dev_rows[dev_index]`` (device only; index entries past a step's U keep earlier values, all
+    below B). ``out_host`` [B, H] (pinned) receives the output rows; ``event`` is what the host
+    waits on. ``prefix(rows)``: the bytes that hold a step's inputs with ``rows`` rows in the
+    mirror (0: the rows reach the device another way, ``FFNLayer.forward_host_routed``)."""
 
     def __init__(self, bucket: int, top_k: int, hidden: int, table_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -80,7 +88,8 @@ class FedBucket:
         self.bucket, self.hidden, self.elt = bucket, hidden, elt
         self.o_ids = _align(4 * table_len)
         self.o_weights = self.o_ids + _align(4 * bucket * top_k)
-        self.o_rows = self.o_weights + _align(4 * bucket * top_k)
+        self.o_index = self.o_weights + _align(4 * bucket * top_k)
+        self.o_rows = self.o_index + _align(8 * bucket)
         total = self.o_rows + _align(elt * bucket * hidden)
         self.device = torch.zeros(total, dtype=torch.uint8, device=device)
         self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
@@ -89,15 +98,18 @@ class FedBucket:
             return (buf[:4 * table_len].view(torch.int32),
                     buf[self.o_ids:self.o_ids + 4 * bucket * top_k].view(torch.int32).view(bucket, top_k),
                     buf[self.o_weights:self.o_weights + 4 * bucket * top_k].view(torch.float32).view(bucket, top_k),
+                    buf[self.o_index:self.o_index + 8 * bucket].view(torch.int64),
                     buf[self.o_rows:self.o_rows + elt * bucket * hidden].view(dtype).view(bucket, hidden))
 
-        self.dev_table, self.dev_ids, self.dev_weights, self.dev_rows = views(self.device)
-        self.host_table, self.host_ids, self.host_weights, self.host_rows = views(self.host)
+        self.dev_table, self.dev_ids, self.dev_weights, self.dev_index, self.dev_rows = views(self.device)
+        self.host_table, self.host_ids, self.host_weights, self.host_index, self.host_rows = views(self.host)
+        self.dev_gathered = torch.zeros(bucket, hidden, dtype=dtype, device=device)
+        self.identity = torch.arange(bucket, dtype=torch.int64)  # the row index of host-gathered rows
         self.out_host = torch.zeros(bucket, hidden, dtype=dtype, pin_memory=True)
         self.event = torch.cuda.Event()
 
-    def prefix(self, tokens: int) -> int:
-        return self.o_rows + self.elt * tokens * self.hidden
+    def prefix(self, rows: int) -> int:
+        return self.o_rows + self.elt * rows * self.hidden
 
 
 _SHARED: dict[tuple, StaticInputs] = {}
@@ -224,37 +236,45 @@ class StepGraphs:
         return fed_bucket(bucket, self.top_k, self.w13.shape[2], self.table.numel(), self.w13.dtype, self.w13.device)
 
     def capture_fed(self, bucket: int) -> None:
-        """Capture the host-fed step for ``bucket`` tokens: the step on the views of the bucket's
-        packed device buffer (``FedBucket``: its table, ids, weights, rows); synchronises. The
-        warm-up run before the capture computes no pair (its table's pair count is 0)."""
+        """Capture the host-fed step for ``bucket`` tokens: the rows gathered on the device by the
+        row index, then the step on the views of the bucket's packed device buffer (``FedBucket``:
+        its table, ids, weights); synchronises. The warm-up run before the capture computes no
+        pair (its table's pair count is 0)."""
         cfg, st = self._bucket_inputs(bucket)
         fed = self.fed(bucket)
         fed.dev_table.copy_(self.table)
         fed.dev_table[-1] = 0
 
         def step():
-            routed_expert_step(fed.dev_rows, fed.dev_ids, fed.dev_weights, fed.dev_table, self.w13, self.w2,
+            torch.index_select(fed.dev_rows, 0, fed.dev_index, out=fed.dev_gathered)
+            routed_expert_step(fed.dev_gathered, fed.dev_ids, fed.dev_weights, fed.dev_table, self.w13, self.w2,
                                self.errors, self.num_experts, "triton", cfg, st.buffers, st.out)
 
         self.fed_graphs[bucket] = self._capture(step)
         self.fed_out[bucket] = st.out
 
-    def run_fed(self, tokens: int, bucket: int) -> torch.Tensor:
+    def run_fed(self, tokens: int, bucket: int, rows_on_device: bool = False,
+                device_out: bool = False) -> torch.Tensor:
         """The host-fed step of ``tokens`` tokens, whose inputs and local table (n = tokens * k)
         the host wrote into ``fed(bucket)``'s mirror (``bucket`` >= tokens: the bucket of the
-        target's token count, known before the worker's own is): one copy of the mirror's prefix,
-        the replay, the output rows copied back, one wait. Returns them ([tokens, H], pinned host
-        memory, overwritten by the next host-fed step of the bucket)."""
+        target's token count, known before the worker's own is), the row index included: one
+        copy of the mirror's prefix (with its ``tokens`` rows, or none when ``rows_on_device``:
+        the caller copied the rows into ``fed.dev_rows`` on this stream), the replay, the output
+        rows copied back, one wait. Returns them ([tokens, H], pinned host memory, overwritten by
+        the next host-fed step of the bucket), or with ``device_out`` the bucket's device output
+        rows, not waited for (overwritten by its next replay)."""
         if bucket not in self.buckets or not 0 < tokens <= bucket:
             raise ValueError(f"tokens, bucket: expected 0 < tokens <= bucket, a bucket of {self.buckets}, "
                              f"got {tokens}, {bucket}")
         if bucket not in self.fed_graphs:
             self.capture_fed(bucket)
         fed = self.fed(bucket)
-        size = fed.prefix(tokens)
+        size = fed.prefix(0 if rows_on_device else tokens)
         fed.device[:size].copy_(fed.host[:size], non_blocking=True)
         self.fed_graphs[bucket].replay()
         self.replays += 1
+        if device_out:
+            return self.fed_out[bucket][:tokens]
         out = fed.out_host[:tokens]
         out.copy_(self.fed_out[bucket][:tokens], non_blocking=True)
         fed.event.record()

@@ -227,18 +227,27 @@ class FFNLayer:
         return tokens, rows
 
     def forward_host_routed(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+                            plan: Plan, rows=None, device_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A pool fed by a host transport (shm; on a GPU: one synchronisation per step). The eq. 11
-        bookkeeping runs in numpy on the host ids (``host_route``); only the tokens this worker
-        computes a pair of are gathered (``gather(tokens, out)`` writes their rows into the host
-        tensor ``out``), sent to the device with their routing by one batch of non-blocking copies
-        from pinned memory, and run by the step (its CUDA graph up to the largest bucket) under a
-        *local* plan table that selects exactly this worker's pairs among those tokens; the rows
-        come back into pinned memory, waited for once.
+        bookkeeping runs in numpy on the host ids (``host_route``); the step runs on the tokens
+        this worker computes a pair of, sent to the device with their routing by one batch of
+        non-blocking copies from pinned memory, under a *local* plan table that selects exactly
+        this worker's pairs among those tokens (its CUDA graph up to the largest bucket).
+
+        The rows reach the device one of two ways: ``rows(dst)`` (a CUDA pool only) copies every
+        row of the target, [N, H] in the pool's dtype, into the device tensor ``dst`` on the
+        current stream (the shm transport's copies straight from its page-locked slots: no host
+        gather), and the kept ones are gathered on the device; else ``gather(tokens, out)`` writes
+        the kept tokens' rows into the host tensor ``out`` (a pinned staging buffer). The output
+        comes back into pinned memory, waited for once; ``device_out`` (a CUDA pool): it stays on
+        the device, not waited for: the caller copies it out and waits for the current stream before
+        this worker's next step (which reuses the pinned inputs and the output buffer), as the shm
+        transport's ``send`` of device rows does.
 
         topk_ids: int32 [N, k] on the host; topk_weights: fp32 [N, k] on the host. Returns (tokens
-        int64 [U] ascending, rows [U, H] on the host in the pool's dtype; a buffer reused by the
-        next call). The sum over the F workers is the dense layer (invariant 1)."""
+        int64 [U] ascending on the host, rows [U, H] in the pool's dtype: on the host unless
+        ``device_out``; a buffer reused by the next call). The sum over the F workers is the dense
+        layer (invariant 1)."""
         k = self.pool.shape.top_k
         if topk_ids.dim() != 2 or topk_ids.shape[1] != k or tuple(topk_weights.shape) != tuple(topk_ids.shape):
             raise ValueError(f"topk_ids, topk_weights: expected shape [N, {k}], got {tuple(topk_ids.shape)}, "
@@ -246,10 +255,14 @@ class FFNLayer:
         if topk_ids.dtype != torch.int32 or not topk_ids.is_cpu or not topk_weights.is_cpu:
             raise ValueError(f"topk_ids, topk_weights: expected int32 ids and weights on the host, got "
                              f"{topk_ids.dtype} on {topk_ids.device}, {topk_weights.device}")
+        device = self.pool.device
+        cuda = device.type == "cuda"
+        if (rows is not None or device_out) and not cuda:
+            raise ValueError(f"rows, device_out: device copies need a CUDA pool, this one is on {device}")
         table = self.plan_table.stage(plan)
         n = topk_ids.shape[0]
         if self.graphs is not None and self.host_feeding and n <= self.graphs.max_tokens:
-            out = self._host_fed_step(gather, topk_ids, topk_weights, table)
+            out = self._host_fed_step(gather, topk_ids, topk_weights, table, rows, device_out)
             if out is not None:
                 return out
         route = host_route(topk_ids.numpy(), table, self.pool.shape.num_experts)
@@ -258,21 +271,29 @@ class FFNLayer:
         u = route.tokens.size
         h = self.pool.hidden
         staging = self._staging(u)
-        if u == 0:
-            return torch.from_numpy(route.tokens), staging.out[:0]
         tokens = torch.from_numpy(route.tokens)
-        gather(tokens, staging.rows[:u])
+        if u == 0:
+            return tokens, (staging.out[:0] if not device_out else torch.empty(0, h, dtype=self.pool.dtype, device=device))
+        if rows is None:
+            gather(tokens, staging.rows[:u])
         torch.index_select(topk_ids, 0, tokens, out=staging.ids[:u])
         torch.index_select(topk_weights.float(), 0, tokens, out=staging.weights[:u])
-        device = self.pool.device
-        if device.type == "cpu":
+        if not cuda:
             x, ids, w = staging.rows[:u], staging.ids[:u], staging.weights[:u]
         else:
             bufs = self.input_buffers(u) if self.graphs is not None else None
             if bufs is None:
                 bufs = tuple(torch.empty(t[:u].shape, dtype=t.dtype, device=device)
                              for t in (staging.rows, staging.ids, staging.weights))
-            for dst, src in zip(bufs, (staging.rows, staging.ids, staging.weights)):
+            if rows is None:
+                bufs[0].copy_(staging.rows[:u], non_blocking=True)
+            else:  # every row of the target to the device, the kept ones gathered there
+                full = staging.device_rows(n)
+                rows(full)
+                staging.index[:u].copy_(tokens)
+                index = staging.index[:u].to(device, non_blocking=True)
+                torch.index_select(full, 0, index, out=bufs[0])
+            for dst, src in zip(bufs[1:], (staging.ids, staging.weights)):
                 dst.copy_(src[:u], non_blocking=True)
             x, ids, w = bufs
         self.plan_table.upload(route.local_table, u * k)
@@ -281,20 +302,24 @@ class FFNLayer:
         else:
             out = routed_expert_step(x, ids, w, self.plan_table.table, self.pool.w13, self.pool.w2, self.errors,
                                      self.pool.shape.num_experts, self.backend, self._large_step_config(u))
-        if device.type == "cpu":
+        if not cuda:
+            return tokens, out
+        if device_out:
             return tokens, out
         staging.out[:u].copy_(out, non_blocking=True)
         staging.event.record()
         staging.event.synchronize()
         return tokens, staging.out[:u].view(u, h)
 
-    def _host_fed_step(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _host_fed_step(self, gather, topk_ids: torch.Tensor, topk_weights: torch.Tensor, table: np.ndarray,
+                       rows=None, device_out: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``forward_host_routed`` in four CUDA calls (``StepGraphs.run_fed``): eq. 11, the kept
         tokens' ids and weights and the local table written by ``route_local`` straight into the
-        bucket's pinned mirror, this worker's rows gathered into it, then one copy, the replay, the
-        rows back, one wait. None: the host-fed graphs are unavailable (the caller launches the
-        copies one by one)."""
+        bucket's pinned mirror, the rows (``rows``: every row copied into the bucket's device row
+        block, the kept tokens as the row index; else this worker's rows gathered into the mirror,
+        the identity as the index), then one copy, the replay, the rows back (unless
+        ``device_out``), one wait. None: the host-fed graphs are unavailable (the caller launches
+        the copies one by one)."""
         if _route_local is None:
             return None
         g = self.graphs
@@ -314,9 +339,14 @@ class FFNLayer:
             self.errors += dropped
         tokens = tokens[:u]
         if u == 0:
-            return tokens, fed.out_host[:0]
-        gather(tokens, fed.host_rows[:u])
-        return tokens, g.run_fed(u, bucket)
+            return tokens, (fed.out_host[:0] if not device_out else g.fed_out[bucket][:0])
+        if rows is not None:
+            rows(fed.dev_rows[:n])
+            fed.host_index[:u].copy_(tokens)
+        else:
+            gather(tokens, fed.host_rows[:u])
+            fed.host_index[:u].copy_(fed.identity[:u])
+        return tokens, g.run_fed(u, bucket, rows_on_device=rows is not None, device_out=device_out)
 
     def _staging(self, tokens: int) -> "HostStaging":
         """This device's host staging buffers, holding at least ``tokens`` rows (shared by the layers)."""
@@ -455,7 +485,17 @@ class HostStaging:
         self.ids = torch.empty(tokens, top_k, dtype=torch.int32, pin_memory=pin)
         self.weights = torch.empty(tokens, top_k, dtype=torch.float32, pin_memory=pin)
         self.out = torch.empty(tokens, hidden, dtype=dtype, pin_memory=pin)
+        self.index = torch.empty(tokens, dtype=torch.int64, pin_memory=pin)
         self.event = torch.cuda.Event() if pin else None
+        self.hidden, self.dtype, self.device = hidden, dtype, device
+        self._device_rows: torch.Tensor | None = None
+
+    def device_rows(self, tokens: int) -> torch.Tensor:
+        """A device tensor [tokens, H] that a transport copies a whole target's rows into (grown on
+        demand; reused by the next step)."""
+        if self._device_rows is None or self._device_rows.shape[0] < tokens:
+            self._device_rows = torch.empty(tokens, self.hidden, dtype=self.dtype, device=self.device)
+        return self._device_rows[:tokens]
 
 
 class PairStaging:

@@ -549,12 +549,22 @@ class FFNWorker:
         elif layer.sparse_on_host:  # sparse on a CPU pool: the bookkeeping in numpy, one pass
             reply = ReplyRows(*layer.forward_sparse(mb.rows_for, mb.topk_ids, mb.topk_weights, plan))
         else:  # sparse on a GPU pool fed from host buffers (shm): routed on the host, one sync
-            gather = mb.source.gather_into
-            if self.trace.enabled:  # stamp when this worker's rows are in pinned memory
+            # a page-locked segment: the rows go to the device by DMA from the request slots and the
+            # output straight into the reply slots (the send waits for the stream), no host copy of rows
+            direct = (getattr(mb.source, "device_copies", False) and getattr(self.connector, "sends_device_rows", False)
+                      and layer.pool.dtype == mb.source.end.layout.torch_dtype)
+            gather, rows = mb.source.gather_into, (mb.source.copy_to if direct else None)
+            if self.trace.enabled:  # stamp when this worker's rows are in pinned memory (or their copies enqueued)
                 def gather(tokens, out, _gather=gather):
                     _gather(tokens, out)
                     self._rows_ns = time.perf_counter_ns()
-            reply = ReplyRows(*layer.forward_host_routed(gather, mb.topk_ids, mb.topk_weights, plan))
+
+                if rows is not None:
+                    def rows(dst, _rows=rows):
+                        _rows(dst)
+                        self._rows_ns = time.perf_counter_ns()
+            reply = ReplyRows(*layer.forward_host_routed(gather, mb.topk_ids, mb.topk_weights, plan, rows=rows,
+                                                         device_out=direct))
         if timed:
             end.record()
             self._events = (start, end)

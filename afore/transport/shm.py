@@ -594,6 +594,12 @@ class ShmFFNEnd:
         self.store = None  # no TCPStore: GPU peers use CUDA IPC handles exchanged elsewhere
 
     @property
+    def sends_device_rows(self) -> bool:
+        """``send`` takes partials on the device and copies them into the reply slots itself (a GPU
+        end of a page-locked segment, sums per token): the step need not bring them back first."""
+        return bool(self._pinned) and not self.layout.exact
+
+    @property
     def queued(self) -> int:
         """Targets published and not yet received (0..depth)."""
         return int(self._ready(self._counter, block=False)) + (self._peeked is not None)
@@ -768,6 +774,9 @@ class ShmFFNEnd:
         if len(shape) != 2 or shape[1] != lay.hidden or tokens.shape != shape[:1]:
             raise ValueError(f"partial: expected rows [U, {lay.hidden}] for tokens [U], got rows "
                              f"{tuple(rows.shape)}, tokens {tuple(tokens.shape)}")
+        if rows.is_cuda and self._pinned and not lay.exact and rows.dtype == self._dtype:
+            self._send_in_place(mb, _host(tokens, torch.int64), rows)
+            return
         if self._plane is not None:  # CUDA partials are staged through host memory, as below
             tokens, rows = _host(tokens, torch.int64), _host(rows, self._dtype)
             t = mb.target
@@ -798,6 +807,47 @@ class ShmFFNEnd:
             seg.rep_ready[self.ffn_rank, a, d] = _word(mb.counter)
             _futex_wake(seg.addr("rep_ready", (self.ffn_rank * lay.num_attention + a) * lay.depth + d, 4))
 
+    def _send_in_place(self, mb: Microbatch, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        """``send`` of rows on the device (or of host rows, the same path): each attention worker's
+        share copied straight into its reply slot (non-blocking from a GPU into the page-locked
+        segment: no staging buffer, no host copy), the current stream waited for once (the
+        step's input copies from the request slots are done then too), then the headers and token
+        indices published (``DataPlane.send_replies`` without rows, or the Python path)."""
+        lay, seg = self.layout, self.seg
+        bounds = np.cumsum([0] + list(mb.splits))
+        host = tokens.numpy()
+        if host.size and (host[0] < 0 or host[-1] >= bounds[-1] or bool((host[1:] < host[:-1]).any())):
+            raise ValueError(f"partial.tokens: expected ascending gathered token indices in [0, {int(bounds[-1])}), "
+                             f"got {host.tolist()}")
+        cut = np.searchsorted(host, bounds)
+        d = mb.counter % lay.depth
+        for a in range(lay.num_attention):
+            lo, hi = int(cut[a]), int(cut[a + 1])
+            if hi - lo > lay.reply_rows:
+                raise ValueError(f"partial.tokens: {hi - lo} rows for attention worker {a}, a reply slot holds "
+                                 f"{lay.reply_rows}")
+            if hi > lo:
+                seg.rep_views(self.ffn_rank, a, d)[0][:hi - lo].copy_(rows[lo:hi], non_blocking=rows.is_cuda)
+        if rows.is_cuda:
+            torch.cuda.current_stream(rows.device).synchronize()
+        t = mb.target
+        if self._plane is not None:
+            written = self._plane.send_replies(self.ffn_rank, mb.counter, mb.seq, t.step, t.layer, t.microbatch,
+                                               mb.splits, tokens.data_ptr(), tokens.shape[0], 0)
+        else:
+            written = tokens.shape[0]
+            for a in range(lay.num_attention):
+                lo, hi = int(cut[a]), int(cut[a + 1])
+                head = seg.rep_head[self.ffn_rank, a, d]
+                head[0] = mb.counter
+                if hi > lo:
+                    seg.rep_views(self.ffn_rank, a, d)[1][:hi - lo].copy_(tokens[lo:hi] - int(bounds[a]))
+                head[1:6] = (mb.seq, t.step, t.layer, t.microbatch, hi - lo)
+                head[6] = mb.counter
+                seg.rep_ready[self.ffn_rank, a, d] = _word(mb.counter)
+                _futex_wake(seg.addr("rep_ready", (self.ffn_rank * lay.num_attention + a) * lay.depth + d, 4))
+        self.bytes_sent += written * (self._row_bytes + 4)
+
     def close(self) -> None:
         self._peeked = None
         self._plane = None
@@ -813,6 +863,24 @@ class _ShmRows:
         self.end, self.views, self.counter, self.splits = end, views, counter, splits
         # on the CPU one sender's slot is handed out as it is; a GPU worker copies only its rows over
         self.zero_copy = end.device.type == "cpu"
+        # a GPU end of a page-locked segment copies whole slots to the device by DMA (``copy_to``)
+        self.device_copies = bool(getattr(end, "_pinned", False))
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        """Every row of the target, in sender order, into ``dst`` [N, H] (the layout's dtype) by
+        one copy per sender, non-blocking on the current stream when ``dst`` is on a GPU and the
+        segment is page-locked (``device_copies``): the DMA engine reads the slots, no host core
+        gathers. The slots stay valid until this worker replies, and ``ShmFFNEnd.send`` of device
+        rows waits for the stream first, so the copies are done before a sender may reuse them."""
+        lay = self.end.layout
+        n = sum(v.shape[0] for v in self.views)
+        if dst.shape != (n, lay.hidden) or dst.dtype != lay.torch_dtype:
+            raise ValueError(f"dst: expected [{n}, {lay.hidden}] of {lay.torch_dtype}, got {tuple(dst.shape)} {dst.dtype}")
+        lo = 0
+        for v in self.views:
+            dst[lo:lo + v.shape[0]].copy_(v, non_blocking=self.device_copies and dst.is_cuda)
+            lo += v.shape[0]
+        self.end.bytes_received += dst.numel() * dst.element_size()
 
     def gather(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden rows [U, H] of gathered token indices ``tokens`` (int64, ascending)."""

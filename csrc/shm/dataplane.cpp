@@ -309,7 +309,9 @@ class DataPlane {
 
   // FFN worker `rank` replies to message `c` (every attention worker, an empty reply where it
   // has no row): rows [U, H] (layout dtype) of gathered indices `tokens` int64 [U] ascending
-  // (pair indices t * k + j in exact layouts). Returns the rows written.
+  // (pair indices t * k + j in exact layouts). Returns the rows written. rows_ptr 0: the rows are
+  // in the reply slots already (copied there by the device, ShmFFNEnd._send_in_place): only the
+  // token indices and the headers are written.
   int64_t send_replies(int rank, int64_t c, int64_t seq, int64_t step, int64_t layer, int64_t mb,
                        const std::vector<int64_t>& splits, uintptr_t tokens_ptr, int64_t count, uintptr_t rows_ptr) {
     check_rank(rank, F_, "FFN rank");
@@ -344,7 +346,7 @@ class DataPlane {
       store_relaxed(head[0], c);
       if (k) {
         uint8_t* data = rep_data_ + size_t(index) * rep_slot_;
-        std::memcpy(data, rows + size_t(lo) * row, size_t(k) * row);
+        if (rows) std::memcpy(data, rows + size_t(lo) * row, size_t(k) * row);
         auto* token = reinterpret_cast<int32_t*>(data + size_t(reply_rows_) * row);
         for (int64_t i = 0; i < k; ++i) token[i] = int32_t(tokens[lo + i] - bound);
       }

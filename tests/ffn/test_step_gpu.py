@@ -161,6 +161,15 @@ def test_host_routed_step_sums_to_the_dense_layer(dtype):
             full = layer.forward(x.cuda(), ids.cuda(), weights.cuda(), plan, w).cpu()
             tokens, rows = layer.forward_host_routed(lambda t, out: out.copy_(x[t]), ids, weights, plan)
             assert rows.device.type == "cpu" and rows.dtype == dtype
+            rows = rows.clone()  # the pinned output buffer is reused by the next step
+            # the shm transport's direct path: every row copied to the device, gathered there, the
+            # output left on the device: the same kernels on the same values, so the same bits
+            x_dev = x.cuda()
+            tokens_d, rows_d = layer.forward_host_routed(None, ids, weights, plan, rows=lambda dst: dst.copy_(x_dev),
+                                                         device_out=True)
+            assert rows_d.device.type == "cuda" and torch.equal(tokens_d, tokens)
+            assert torch.equal(rows_d.cpu().view(torch.uint8) if dtype == torch.bfloat16 else rows_d.cpu(),
+                               rows.view(torch.uint8) if dtype == torch.bfloat16 else rows), n
             if tokens.numel() == 0:  # this worker has no pair of the target
                 assert rows.shape == (0, H) and not full.any()
                 continue

@@ -128,6 +128,62 @@ def test_cpp_and_python_paths_write_and_return_the_same_bits(dtype, exact, num_a
         ref.close()
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("num_attention,num_ffn", [(1, 2), (3, 2)])
+def test_replies_written_in_place_leave_the_bytes_of_a_staged_send(native, num_attention, num_ffn):
+    """``ShmFFNEnd._send_in_place`` (a GPU worker's send of device rows: each attention worker's
+    share copied straight into its reply slot, then only token indices and headers written) and
+    ``copy_to`` (every row of the target into one tensor, one copy per sender) run here on host
+    tensors: the segment holds the same bytes as after ``send``, the attention side the same
+    output bits, and ``copy_to`` gives the target's rows in sender order; bad partials are
+    refused before anything is published."""
+    layout = ShmLayout(num_attention=num_attention, num_ffn=num_ffn, hidden=H, top_k=K, max_tokens=9, depth=2,
+                       dtype="bfloat16")
+    tag = f"inplace{int(native)}{num_attention}{num_ffn}"
+    staged, direct = _Pair(tag + "s", layout, native, native), _Pair(tag + "d", layout, native, native)
+    gen = torch.Generator().manual_seed(11)
+    try:
+        for t in range(5):
+            sizes = [int(torch.randint(0, 10, (1,), generator=gen)) for _ in range(num_attention)]
+            xs = [_special(n, torch.bfloat16, gen) for n in sizes]
+            ids = [torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int32) for n in sizes]
+            ws = [torch.rand(n, K, generator=gen) for n in sizes]
+            outs = []
+            for pair, in_place in ((staged, False), (direct, True)):
+                sent = [att.send(Target(t, 0, t % 2), t, xs[a], ids[a], ws[a]) for a, att in enumerate(pair.atts)]
+                for r, ffn in enumerate(pair.ffns):
+                    mb = ffn.recv(5.0)
+                    rows = torch.empty(mb.num_tokens, H, dtype=torch.bfloat16)
+                    mb.source.copy_to(rows)
+                    assert torch.equal(_bits(rows), _bits(torch.cat(xs))) and not mb.source.device_copies
+                    reply = _reply(mb, r, layout)
+                    if in_place:
+                        ffn._send_in_place(mb, reply.tokens, reply.rows)
+                    else:
+                        ffn.send(mb, reply)
+                outs.append([att.recv(s) for att, s in zip(pair.atts, sent)])
+            for o, r in zip(*outs):
+                assert torch.equal(_bits(o), _bits(r))
+            assert np.array_equal(staged.raw(), direct.raw()), "in-place replies left other bytes in the segment"
+        for a, b in zip(staged.ffns, direct.ffns):
+            assert a.bytes_sent == b.bytes_sent
+        att, ffn = direct.atts, direct.ffns[0]
+        for a, x in enumerate(att):
+            x.send(Target(9, 0, 0), 9, torch.ones(2, H), torch.zeros(2, K, dtype=torch.int32), torch.ones(2, K))
+        mb = ffn.recv(5.0)
+        before = direct.raw()
+        for tokens, match in ((torch.tensor([1, 0]), "ascending"), (torch.tensor([0, 2 * num_attention]), "ascending"),
+                              (torch.tensor([-1]), "ascending")):
+            with pytest.raises(ValueError, match=match):
+                ffn._send_in_place(mb, tokens, torch.ones(tokens.numel(), H, dtype=torch.bfloat16))
+        assert np.array_equal(before, direct.raw()), "a refused partial wrote to the segment"
+        with pytest.raises(ValueError, match=rf"dst: expected \[{2 * num_attention}, {H}\]"):
+            mb.source.copy_to(torch.empty(3, H, dtype=torch.bfloat16))
+    finally:
+        staged.close()
+        direct.close()
+
+
 @pytest.mark.parametrize("native_attention", [True, False])
 def test_a_cpp_end_talks_to_a_python_end(native_attention):
     layout = ShmLayout(num_attention=2, num_ffn=2, hidden=H, top_k=K, max_tokens=6, depth=3, dtype="bfloat16")
@@ -446,5 +502,52 @@ def test_a_gpu_end_sums_large_targets_on_the_device_to_the_host_sums_bits(dtype)
     finally:
         for seg, att, ffns in pairs.values():
             for e in [att, *ffns]:
+                e.close()
+            seg.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_worker_copies_rows_by_dma_and_replies_from_the_device_with_the_host_paths_bytes():
+    """A CUDA FFN end of a page-locked segment: ``copy_to`` a device tensor gives the target's
+    rows, and ``send`` of device partials (copied into the reply slots from the device, headers
+    after one wait) leaves the bytes that a CPU end's ``send`` of the same partials leaves."""
+    layout = ShmLayout(num_attention=2, num_ffn=2, hidden=H, top_k=K, max_tokens=40, depth=2, dtype="bfloat16")
+    pairs = {}
+    for tag, device in (("gpu", "cuda"), ("cpu", "cpu")):
+        seg = ShmSegment.create(_name(f"dma{tag}"), layout)
+        for f in range(layout.num_ffn):
+            seg.pids[2 + f] = os.getpid()
+        atts = [ShmAttentionEnd(seg.name, layout, r, timeout_s=5) for r in range(2)]
+        ffns = [ShmFFNEnd(seg.name, layout, r, device=device, timeout_s=5) for r in range(2)]
+        pairs[tag] = (seg, atts, ffns)
+    assert pairs["gpu"][2][0].sends_device_rows and not pairs["cpu"][2][0].sends_device_rows
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for t, sizes in enumerate(((40, 3), (0, 17), (25, 40))):
+            xs = [_special(n, torch.bfloat16, gen) for n in sizes]
+            ids = [torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int32) for n in sizes]
+            ws = [torch.rand(n, K, generator=gen) for n in sizes]
+            outs = {}
+            for tag, (seg, atts, ffns) in pairs.items():
+                sent = [att.send(Target(t, 0, 0), t, xs[a], ids[a], ws[a]) for a, att in enumerate(atts)]
+                for r, ffn in enumerate(ffns):
+                    mb = ffn.recv(5.0)
+                    reply = _reply(mb, r, layout)
+                    if tag == "gpu":
+                        dev = torch.empty(mb.num_tokens, H, dtype=torch.bfloat16, device="cuda")
+                        assert mb.source.device_copies
+                        mb.source.copy_to(dev)
+                        assert torch.equal(_bits(dev.cpu()), _bits(torch.cat(xs)))
+                        reply = ReplyRows(reply.tokens, reply.rows.cuda())
+                    ffn.send(mb, reply)
+                outs[tag] = [att.recv(s) for att, s in zip(atts, sent)]
+            for g, c in zip(outs["gpu"], outs["cpu"]):
+                assert torch.equal(_bits(g), _bits(c))
+            raw = [np.frombuffer(p[0].mm, dtype=np.uint8) for p in pairs.values()]
+            assert np.array_equal(raw[0], raw[1])
+    finally:
+        for seg, atts, ffns in pairs.values():
+            for e in atts + ffns:
                 e.close()
             seg.close()
