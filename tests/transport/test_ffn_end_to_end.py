@@ -73,6 +73,8 @@ def test_attention_to_ffn_round_trip_matches_dense_layer(model, num_attention, n
     (a row per pair back, summed as vLLM sums them) it equals plain vLLM's layer bit for bit."""
     from afore.scheduler.plan_ring import PlanRing
 
+    if exact and device == "cuda":  # the workers and the reference run vLLM's CUDA MoE kernels
+        pytest.importorskip("vllm", reason="--exact on a GPU runs vLLM's CUDA MoE kernels: stage vLLM (bench/device)")
     path, spec, weights = model
     layers = len(spec.moe_layer_indices)
     shape = ClusterShape(num_experts=spec.num_experts, num_workers=num_ffn, num_layers=layers, redundant_slots=2,
