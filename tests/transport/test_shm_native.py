@@ -533,7 +533,9 @@ def test_a_gpu_worker_copies_rows_by_dma_and_replies_from_the_device_with_the_ho
                 sent = [att.send(Target(t, 0, 0), t, xs[a], ids[a], ws[a]) for a, att in enumerate(atts)]
                 for r, ffn in enumerate(ffns):
                     mb = ffn.recv(5.0)
-                    reply = _reply(mb, r, layout)
+                    tokens = torch.arange(mb.num_tokens)
+                    tokens = tokens[tokens % layout.num_ffn == r]  # _reply's rule, on the host rows
+                    reply = ReplyRows(tokens, torch.cat(xs).index_select(0, tokens) * (1.5 + r))
                     if tag == "gpu":
                         dev = torch.empty(mb.num_tokens, H, dtype=torch.bfloat16, device="cuda")
                         assert mb.source.device_copies
