@@ -784,14 +784,28 @@ class ShmFFNEnd:
                                                tokens.data_ptr(), shape[0], rows.data_ptr())
             self.bytes_sent += written * (self._row_bytes + 4)
             return
-        d = mb.counter % lay.depth
         tokens = partial.tokens.to("cpu")
         rows = partial.rows.to(device="cpu", dtype=lay.torch_dtype)
+        bounds, cut = self._reply_cut(mb, tokens)
+        self._publish_replies(mb, tokens, bounds, cut, rows)
+
+    def _reply_cut(self, mb: Microbatch, tokens: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """(bounds, cut) of a reply's host ``tokens``: attention worker a's gathered indices
+        start at bounds[a], its rows are [cut[a], cut[a + 1]); refuses indices that are not
+        ascending in range."""
+        lay = self.layout
         bounds = torch.tensor([0] + list(np.cumsum(mb.splits)), dtype=torch.int64) * (lay.top_k if lay.exact else 1)
         if tokens.numel() and (int(tokens[0]) < 0 or int(tokens[-1]) >= int(bounds[-1]) or bool((tokens[1:] < tokens[:-1]).any())):
             raise ValueError(f"partial.tokens: expected ascending gathered {'pair' if lay.exact else 'token'} indices in "
                              f"[0, {int(bounds[-1])}), got {tokens.tolist()}")
-        cut = torch.searchsorted(tokens, bounds).tolist()
+        return bounds, torch.searchsorted(tokens, bounds).tolist()
+
+    def _publish_replies(self, mb: Microbatch, tokens: torch.Tensor, bounds: torch.Tensor, cut: list[int],
+                         rows: torch.Tensor | None) -> None:
+        """The Python path's reply to every attention worker: its rows (unless ``rows`` is None:
+        already in the slots), token indices and header, then the ready word and the wake-up."""
+        lay, seg = self.layout, self.seg
+        d = mb.counter % lay.depth
         for a in range(lay.num_attention):
             lo, hi = cut[a], cut[a + 1]
             k = hi - lo
@@ -799,9 +813,10 @@ class ShmFFNEnd:
             head[0] = mb.counter
             if k:
                 data, token = seg.rep_views(self.ffn_rank, a, d)
-                data[:k].copy_(rows[lo:hi])
+                if rows is not None:
+                    data[:k].copy_(rows[lo:hi])
                 token[:k].copy_(tokens[lo:hi] - int(bounds[a]))
-                self.bytes_sent += k * (lay.hidden * data.element_size() + 4)
+                self.bytes_sent += k * (self._row_bytes + 4)
             head[1:6] = (mb.seq, mb.target.step, mb.target.layer, mb.target.microbatch, k)
             head[6] = mb.counter
             seg.rep_ready[self.ffn_rank, a, d] = _word(mb.counter)
@@ -813,39 +828,24 @@ class ShmFFNEnd:
         segment: no staging buffer, no host copy), the current stream waited for once (the
         step's input copies from the request slots are done then too), then the headers and token
         indices published (``DataPlane.send_replies`` without rows, or the Python path)."""
-        lay, seg = self.layout, self.seg
-        bounds = np.cumsum([0] + list(mb.splits))
-        host = tokens.numpy()
-        if host.size and (host[0] < 0 or host[-1] >= bounds[-1] or bool((host[1:] < host[:-1]).any())):
-            raise ValueError(f"partial.tokens: expected ascending gathered token indices in [0, {int(bounds[-1])}), "
-                             f"got {host.tolist()}")
-        cut = np.searchsorted(host, bounds)
+        lay = self.layout
+        bounds, cut = self._reply_cut(mb, tokens)
         d = mb.counter % lay.depth
         for a in range(lay.num_attention):
-            lo, hi = int(cut[a]), int(cut[a + 1])
+            lo, hi = cut[a], cut[a + 1]
             if hi - lo > lay.reply_rows:
                 raise ValueError(f"partial.tokens: {hi - lo} rows for attention worker {a}, a reply slot holds "
                                  f"{lay.reply_rows}")
             if hi > lo:
-                seg.rep_views(self.ffn_rank, a, d)[0][:hi - lo].copy_(rows[lo:hi], non_blocking=rows.is_cuda)
+                self.seg.rep_views(self.ffn_rank, a, d)[0][:hi - lo].copy_(rows[lo:hi], non_blocking=rows.is_cuda)
         if rows.is_cuda:
             torch.cuda.current_stream(rows.device).synchronize()
+        if self._plane is None:
+            self._publish_replies(mb, tokens, bounds, cut, None)
+            return
         t = mb.target
-        if self._plane is not None:
-            written = self._plane.send_replies(self.ffn_rank, mb.counter, mb.seq, t.step, t.layer, t.microbatch,
-                                               mb.splits, tokens.data_ptr(), tokens.shape[0], 0)
-        else:
-            written = tokens.shape[0]
-            for a in range(lay.num_attention):
-                lo, hi = int(cut[a]), int(cut[a + 1])
-                head = seg.rep_head[self.ffn_rank, a, d]
-                head[0] = mb.counter
-                if hi > lo:
-                    seg.rep_views(self.ffn_rank, a, d)[1][:hi - lo].copy_(tokens[lo:hi] - int(bounds[a]))
-                head[1:6] = (mb.seq, t.step, t.layer, t.microbatch, hi - lo)
-                head[6] = mb.counter
-                seg.rep_ready[self.ffn_rank, a, d] = _word(mb.counter)
-                _futex_wake(seg.addr("rep_ready", (self.ffn_rank * lay.num_attention + a) * lay.depth + d, 4))
+        written = self._plane.send_replies(self.ffn_rank, mb.counter, mb.seq, t.step, t.layer, t.microbatch,
+                                           mb.splits, tokens.data_ptr(), tokens.shape[0], 0)
         self.bytes_sent += written * (self._row_bytes + 4)
 
     def close(self) -> None:

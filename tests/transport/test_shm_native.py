@@ -88,6 +88,13 @@ def _target(pair: _Pair, t: int, xs, ids, ws, collect: dict) -> list[torch.Tenso
     return [att.recv(s) for att, s in zip(pair.atts, sent)]
 
 
+def _inputs(sizes, gen: torch.Generator):
+    """bfloat16 rows (with the special values), int32 ids and fp32 weights per sender."""
+    return ([_special(n, torch.bfloat16, gen) for n in sizes],
+            [torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int32) for n in sizes],
+            [torch.rand(n, K, generator=gen) for n in sizes])
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
@@ -144,10 +151,7 @@ def test_replies_written_in_place_leave_the_bytes_of_a_staged_send(native, num_a
     gen = torch.Generator().manual_seed(11)
     try:
         for t in range(5):
-            sizes = [int(torch.randint(0, 10, (1,), generator=gen)) for _ in range(num_attention)]
-            xs = [_special(n, torch.bfloat16, gen) for n in sizes]
-            ids = [torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int32) for n in sizes]
-            ws = [torch.rand(n, K, generator=gen) for n in sizes]
+            xs, ids, ws = _inputs([int(torch.randint(0, 10, (1,), generator=gen)) for _ in range(num_attention)], gen)
             outs = []
             for pair, in_place in ((staged, False), (direct, True)):
                 sent = [att.send(Target(t, 0, t % 2), t, xs[a], ids[a], ws[a]) for a, att in enumerate(pair.atts)]
@@ -167,9 +171,9 @@ def test_replies_written_in_place_leave_the_bytes_of_a_staged_send(native, num_a
             assert np.array_equal(staged.raw(), direct.raw()), "in-place replies left other bytes in the segment"
         for a, b in zip(staged.ffns, direct.ffns):
             assert a.bytes_sent == b.bytes_sent
-        att, ffn = direct.atts, direct.ffns[0]
-        for a, x in enumerate(att):
-            x.send(Target(9, 0, 0), 9, torch.ones(2, H), torch.zeros(2, K, dtype=torch.int32), torch.ones(2, K))
+        ffn = direct.ffns[0]
+        for att in direct.atts:
+            att.send(Target(9, 0, 0), 9, torch.ones(2, H), torch.zeros(2, K, dtype=torch.int32), torch.ones(2, K))
         mb = ffn.recv(5.0)
         before = direct.raw()
         for tokens, match in ((torch.tensor([1, 0]), "ascending"), (torch.tensor([0, 2 * num_attention]), "ascending"),
@@ -525,9 +529,7 @@ def test_a_gpu_worker_copies_rows_by_dma_and_replies_from_the_device_with_the_ho
     gen = torch.Generator().manual_seed(5)
     try:
         for t, sizes in enumerate(((40, 3), (0, 17), (25, 40))):
-            xs = [_special(n, torch.bfloat16, gen) for n in sizes]
-            ids = [torch.randint(0, 8, (n, K), generator=gen, dtype=torch.int32) for n in sizes]
-            ws = [torch.rand(n, K, generator=gen) for n in sizes]
+            xs, ids, ws = _inputs(sizes, gen)
             outs = {}
             for tag, (seg, atts, ffns) in pairs.items():
                 sent = [att.send(Target(t, 0, 0), t, xs[a], ids[a], ws[a]) for a, att in enumerate(atts)]
